@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: sets up .venv if needed and runs the whole suite.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup-venv.sh"
+cd "$root"
+exec "$root/.venv/bin/python" -m pytest "$@"
