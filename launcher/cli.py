@@ -1,0 +1,109 @@
+"""``lightning-elastic``: a thin argparse front that builds a LaunchConfig and calls launch()."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from launcher.config import LaunchConfig
+from launcher.driver import launch
+from launcher.errors import ConfigError
+from launcher.hosts import HostSlots, count_slots, parse_host_list
+
+PROG = "lightning-elastic"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Elastic, fault-tolerant training for PyTorch.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    run = sub.add_parser(
+        "launch",
+        help="run a training command elastically",
+        description="Run COMMAND on every slot of the discovered hosts, elastically.",
+    )
+    run.add_argument("-np", "--num-proc", dest="np", type=int, help="number of workers to start with "
+                     "(default: the slots of -H, or of localhost when no host source is given)")
+    run.add_argument("--min-np", type=int, help="fewest workers to keep training with (default: -np)")
+    run.add_argument("--max-np", type=int, help="most workers to run (default: -np)")
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("--host-discovery-script", type=Path, metavar="PATH",
+                        help="executable that prints the available hosts, one HOST[:SLOTS] per line")
+    source.add_argument("-H", "--hosts", metavar="HOST:SLOTS[,HOST:SLOTS...]", help="fixed list of hosts")
+    run.add_argument("--slots-per-host", "--slots", type=int, metavar="S",
+                     help="slots of a discovered host that gives no count")
+    run.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="how long to wait for enough slots before failing (default: 600)")
+    run.add_argument("--reset-limit", type=int, metavar="K", help="fail after K resets (default: no limit)")
+    run.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"),
+                     help="let a blacklisted host back after MIN seconds, doubling up to MAX on repeats "
+                          "(default: blacklisted for the rest of the job)")
+    run.add_argument("--discovery-interval", type=float, default=1.0, metavar="SECONDS",
+                     help="how often to run the discovery script (default: 1)")
+    run.add_argument("--log-dir", type=Path, metavar="DIR", help="also write each worker's output to DIR")
+    run.add_argument("--verbose", action="store_true", help="log the driver's decisions in detail")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    hosts: list[HostSlots] | None = None
+    script = args.host_discovery_script
+    if args.hosts is not None:
+        hosts = parse_host_list(args.hosts, args.slots_per_host)
+    if args.slots_per_host is not None and args.slots_per_host < 1:
+        raise ConfigError(f"--slots-per-host: must be at least 1, got {args.slots_per_host}")
+    np_ = args.np
+    if np_ is None:
+        if script is not None:
+            raise ConfigError("-np: required with --host-discovery-script")
+        np_ = count_slots(hosts) if hosts is not None else 1
+    if hosts is None and script is None:
+        hosts = [HostSlots("localhost", np_)]
+    if script is not None and not os.access(script, os.X_OK):
+        raise ConfigError(f"--host-discovery-script: {script} is not an executable file")
+    return LaunchConfig(
+        command=tuple(command),
+        np=np_,
+        min_np=args.min_np if args.min_np is not None else np_,
+        max_np=args.max_np if args.max_np is not None else np_,
+        hosts=tuple(hosts) if hosts is not None else None,
+        discovery_script=script,
+        slots_per_host=args.slots_per_host,
+        elastic_timeout=args.elastic_timeout,
+        reset_limit=args.reset_limit,
+        blacklist_cooldown=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
+        discovery_interval=args.discovery_interval,
+        log_dir=args.log_dir,
+        verbose=args.verbose,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="lightning-elastic %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    try:
+        config = config_from_args(args)
+    except ConfigError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    result = launch(config)
+    print(result.summary(), file=sys.stderr)
+    verdict = "succeeded" if result.success else "failed"
+    print(f"{PROG}: job {verdict}: {result.reason}", file=sys.stderr)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

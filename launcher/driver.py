@@ -1,0 +1,500 @@
+"""The elastic driver: discovers hosts, starts workers, forms rounds, and decides how the job ends.
+
+``launch(config)`` runs one job. The driver loop owns every membership decision; the
+discovery poller and the rendezvous service only report to it. Each tick it:
+
+1. takes the latest discovery result and lets cooled-down hosts come back;
+2. reaps exited workers (a worker that exits without reporting success has failed: its host
+   is blacklisted and its round is marked broken, so survivors learn it was a lost peer);
+3. kills wedged workers (missed heartbeats, or too slow to arrive at the rendezvous);
+4. asks ``policy.decide_verdict`` whether the job has ended;
+5. plans the target set of slots (oldest hosts first, at most --max-np), starts workers for
+   new slots, and announces the change (a generation bump) once joiners are ready;
+6. forms the next round once every target worker waits at the rendezvous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO
+
+from launcher import policy
+from launcher.config import LaunchConfig
+from launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
+from launcher.errors import ConfigError, LaunchError
+from launcher.host_manager import HostManager
+from launcher.hosts import SlotAssignment, SlotKey, assign_slots, count_slots, is_local_host
+from launcher.registry import Registry, RoundInfo, WorkerRecord, WorkerState
+from launcher.rendezvous_server import RendezvousServer
+from launcher.workers import LocalProcess, stop_all
+from lightning_elastic import protocol as p
+
+log = logging.getLogger("lightning_elastic.driver")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    success: bool
+    reason: str
+    rounds: tuple[int, ...]  # world size of every round, in order
+    failures: tuple[str, ...]
+    blacklisted: tuple[str, ...]
+    duration: float
+    rejected_requests: int
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.success else 1
+
+    def summary(self) -> str:
+        lines = [
+            "lightning-elastic job summary",
+            f"  result:        {'SUCCESS' if self.success else 'FAILURE'}: {self.reason}",
+            f"  duration:      {self.duration:.1f} s",
+            f"  rounds:        {len(self.rounds)} (world sizes: {' -> '.join(map(str, self.rounds)) or 'none'})",
+            f"  failures:      {len(self.failures)}",
+        ]
+        lines += [f"    - {f}" for f in self.failures]
+        lines.append(f"  blacklisted:   {', '.join(self.blacklisted) or 'none'}")
+        if self.rejected_requests:
+            lines.append(f"  rejected rendezvous requests: {self.rejected_requests}")
+        return "\n".join(lines)
+
+
+class _Stop(Exception):
+    """The driver was asked to stop (SIGINT/SIGTERM)."""
+
+
+class Driver:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        discovery: HostDiscovery,
+        clock: Callable[[], float] = time.monotonic,
+        out: IO[str] | None = None,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._out = out
+        self._discovery = DiscoveryPoller(discovery, config.discovery_interval)
+        self._hosts = HostManager(config.blacklist_cooldown, clock)
+        self._registry = Registry(clock)
+        self._secret = secrets.token_hex(32)
+        self._server = RendezvousServer(self._registry, self._secret)
+        self._store = None  # torch TCPStore, hosted here for process-group bootstrap
+        self._processes: dict[str, LocalProcess] = {}
+        self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
+        self._target: list[SlotAssignment] = []
+        self._target_since = 0.0
+        self._announced_for: tuple[SlotKey, ...] | None = None
+        self._discovery_seq = 0
+        self._discovery_error: str | None = None
+        self._below_since: float | None = None
+        self._worker_numbers = itertools.count()
+        self._rounds: list[int] = []
+        self._failures: list[str] = []
+        self._blacklisted: list[str] = []
+        self._failure_of: dict[str, str] = {}
+        self._stop_requested = threading.Event()
+        self._stop_signal = ""
+        self._started_at = clock()
+
+    # ----- life cycle -----------------------------------------------------------------
+
+    def request_stop(self, signame: str) -> None:
+        self._stop_signal = signame
+        self._stop_requested.set()
+        with self._registry.cond:
+            self._registry.cond.notify_all()
+
+    def run(self) -> JobResult:
+        try:
+            first = self._discovery.start()
+        except LaunchError as err:
+            return self._result(policy.Verdict(False, str(err)))
+        try:
+            for h in first:
+                self._check_local(h.host)
+            self._start_services()
+            with self._registry.cond:
+                self._hosts.update(first)
+            verdict = self._loop()
+        except ConfigError as err:
+            verdict = policy.Verdict(False, str(err))
+        except _Stop:
+            verdict = policy.Verdict(False, f"interrupted by {self._stop_signal}: stopped every worker")
+        finally:
+            self._shutdown()
+        return self._result(verdict)
+
+    def _start_services(self) -> None:
+        from torch.distributed import TCPStore  # the driver's only use of torch
+
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        self._server.start()
+        log.info("Rendezvous service at %s; store at 127.0.0.1:%d.", self._server.url, self._store.port)
+
+    def _shutdown(self) -> None:
+        self._discovery.close()
+        procs = list(self._processes.values())
+        if any(p_.poll() is None for p_ in procs):
+            log.info("Stopping %d worker process(es).", sum(p_.poll() is None for p_ in procs))
+        stop_all(procs, self._config.timeouts.stop_grace)
+        self._server.close()
+
+    def _result(self, verdict: policy.Verdict) -> JobResult:
+        return JobResult(
+            success=verdict.success,
+            reason=verdict.reason,
+            rounds=tuple(self._rounds),
+            failures=tuple(self._failures),
+            blacklisted=tuple(self._blacklisted),
+            duration=self._clock() - self._started_at,
+            rejected_requests=self._server.rejected,
+        )
+
+    # ----- the loop -------------------------------------------------------------------
+
+    def _loop(self) -> policy.Verdict:
+        reg = self._registry
+        with reg.cond:
+            while True:
+                if self._stop_requested.is_set():
+                    raise _Stop()
+                now = self._clock()
+                self._take_discovery()
+                self._hosts.tick()
+                self._reap(now)
+                self._kill_wedged(now)
+                verdict = self._verdict(now)
+                if verdict is None:
+                    verdict = self._plan(now)
+                if verdict is None:
+                    verdict = self._maybe_form_round()
+                if verdict is not None:
+                    return verdict
+                reg.cond.wait(self._config.timeouts.tick)
+
+    def _take_discovery(self) -> None:
+        latest = self._discovery.latest()
+        if latest is None or latest.sequence == self._discovery_seq:
+            return
+        self._discovery_seq = latest.sequence
+        self._discovery_error = latest.error
+        if latest.hosts is None:
+            return
+        usable = []
+        for h in latest.hosts:
+            try:
+                self._check_local(h.host)
+                usable.append(h)
+            except ConfigError as err:
+                log.error("Ignoring discovered host: %s", err)
+        change = self._hosts.update(usable)
+        if change:
+            log.info(
+                "Hosts changed: added %s, removed %s, resized %s.",
+                list(change.added), list(change.removed), list(change.resized),
+            )
+
+    def _check_local(self, host: str) -> None:
+        if not is_local_host(host):
+            raise ConfigError(
+                f"host {host!r} is not this machine: starting workers on other machines "
+                "(over ssh) is not supported yet; use loopback addresses such as 127.0.0.2"
+            )
+
+    # ----- workers --------------------------------------------------------------------
+
+    def _spawn(self, slot: SlotAssignment) -> None:
+        number = next(self._worker_numbers)
+        worker_id = f"{slot.slot}#{number}"
+        record = self._registry.add_worker(worker_id, slot.slot)
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # several workers per host would thrash otherwise
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        assert self._store is not None
+        env.update(
+            {
+                p.ENV_DRIVER_URL: self._server.url,
+                p.ENV_SECRET: self._secret,
+                p.ENV_WORKER_ID: worker_id,
+                p.ENV_HOSTNAME: slot.slot.host,
+                p.ENV_HEARTBEAT_INTERVAL: str(self._config.timeouts.heartbeat_interval),
+                p.ENV_ELASTIC_TIMEOUT: str(self._config.elastic_timeout),
+                p.ENV_LOST_MEMBER_WAIT: str(self._config.timeouts.lost_member_wait),
+                p.ENV_PROCESS_GROUP_TIMEOUT: str(self._config.timeouts.process_group),
+                # The usual torch variables, as planned; le.init() updates them every round.
+                "RANK": str(slot.rank),
+                "WORLD_SIZE": str(slot.size),
+                "LOCAL_RANK": str(slot.slot.local_rank),
+                "LOCAL_WORLD_SIZE": str(slot.local_size),
+                "GROUP_RANK": str(slot.cross_rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self._store.port),
+            }
+        )
+        log_file = None
+        if self._config.log_dir is not None:
+            self._config.log_dir.mkdir(parents=True, exist_ok=True)
+            log_file = self._config.log_dir / f"worker-{number}-{slot.slot.host}-{slot.slot.local_rank}.log"
+
+        def prefix(record: WorkerRecord = record) -> str:
+            rank = record.rank
+            return f"[{rank if rank is not None else '-'}] "
+
+        self._processes[worker_id] = LocalProcess(self._config.command, env, prefix, log_file, self._out)
+        log.info("Started worker %s (pid %d).", worker_id, self._processes[worker_id].pid)
+
+    def _stop_worker(self, record: WorkerRecord, why: str) -> None:
+        if record.worker_id in self._stopping or record.state.finished:
+            return
+        log.info("Stopping worker %s: %s.", record.worker_id, why)
+        record.leave = True
+        proc = self._processes[record.worker_id]
+        proc.signal(signal.SIGTERM)
+        proc.signal(signal.SIGCONT)
+        self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
+
+    def _reap(self, now: float) -> None:
+        for record in self._registry.live_workers():
+            proc = self._processes[record.worker_id]
+            status = proc.poll()
+            if status is None:
+                deadline = self._stopping.get(record.worker_id)
+                if deadline is not None and now >= deadline:
+                    proc.signal(signal.SIGKILL)
+                continue
+            record.exit_status = status
+            self._stopping.pop(record.worker_id, None)
+            outcome = record.report.outcome if record.report else None
+            was_member = record.assignment is not None and self._registry.round is not None and (
+                record.worker_id in self._registry.round.members
+            )
+            if outcome == p.Outcome.DONE:
+                record.state = WorkerState.DONE
+                log.info("Worker %s finished training (exit status %d).", record.worker_id, status)
+            elif outcome == p.Outcome.REMOVED or record.leave:
+                record.state = WorkerState.REMOVED
+                log.info("Worker %s left the job (exit status %d).", record.worker_id, status)
+            else:
+                self._fail(record, status, was_member)
+            self._registry.cond.notify_all()
+
+    def _fail(self, record: WorkerRecord, status: int, was_member: bool) -> None:
+        record.state = WorkerState.FAILED
+        if status < 0:
+            how = f"was killed by {signal.Signals(-status).name}"
+        elif status == 0:
+            how = "exited with status 0 without reporting that training returned"
+        else:
+            how = f"exited with status {status}"
+        if record.report and record.report.outcome == p.Outcome.FAILED and record.report.message:
+            how += f" after raising {record.report.message}"
+        text = f"worker {record.worker_id} {how}"
+        self._failure_of[record.worker_id] = text
+        self._failures.append(text)
+        log.warning("Worker %s %s.", record.worker_id, how)
+        round_ = self._registry.round
+        if was_member and round_ is not None:
+            self._registry.mark_round_broken(round_.number)
+        host = record.slot.host
+        if not self._hosts.is_blacklisted(host):
+            cooldown = self._hosts.blacklist(host)
+            self._blacklisted.append(host)
+            log.warning(
+                "Blacklisted host %s %s.",
+                host,
+                "for the rest of the job" if cooldown is None else f"for {cooldown:g} s",
+            )
+        for other in self._registry.live_workers():
+            if other.slot.host == host:
+                self._stop_worker(other, f"its host {host} is blacklisted")
+
+    def _kill_wedged(self, now: float) -> None:
+        t = self._config.timeouts
+        for record in self._registry.live_workers():
+            if record.worker_id in self._stopping:
+                continue
+            proc = self._processes[record.worker_id]
+            if record.last_heartbeat is None:
+                if now - record.started_at > t.worker_arrival:
+                    log.warning(
+                        "Worker %s did not reach the rendezvous within %g s: killing it.",
+                        record.worker_id, t.worker_arrival,
+                    )
+                    proc.signal(signal.SIGKILL)
+            elif now - record.last_heartbeat > t.heartbeat_timeout:
+                log.warning(
+                    "Worker %s sent no heartbeat for %g s (hung or stopped): killing it.",
+                    record.worker_id, t.heartbeat_timeout,
+                )
+                proc.signal(signal.SIGKILL)
+                self._stopping[record.worker_id] = now + t.stop_grace
+
+    # ----- decisions ------------------------------------------------------------------
+
+    def _verdict(self, now: float) -> policy.Verdict | None:
+        reg = self._registry
+        members = ()
+        if reg.round is not None:
+            members = tuple(
+                policy.MemberView(w, reg.workers[w].state, self._failure_of.get(w, ""))
+                for w in reg.round.members
+            )
+        available = count_slots(self._hosts.available())
+        required = self._required_slots()
+        if available < required:
+            if self._below_since is None:
+                self._below_since = now
+                log.warning("Waiting for %d slot(s): %d available.", required, available)
+        else:
+            self._below_since = None
+        view = policy.JobView(
+            round_number=reg.round.number if reg.round else 0,
+            members=members,
+            live_workers=len(reg.live_workers()),
+            blacklisted_hosts=self._hosts.all_blacklisted_hosts(),
+            required_slots=required,
+            available_slots=available,
+            below_required_for=None if self._below_since is None else now - self._below_since,
+            discovery_error=self._discovery_error,
+        )
+        return policy.decide_verdict(view, self._config.elastic_timeout)
+
+    def _required_slots(self) -> int:
+        return self._config.min_np if self._registry.round is not None else self._config.np
+
+    def _plan(self, now: float) -> policy.Verdict | None:
+        reg = self._registry
+        if self._below_since is not None:
+            return None  # wait for hosts; the elastic timeout bounds this
+        desired = assign_slots(self._hosts.available(), self._config.max_np)
+        current = reg.round
+        broken = current is not None and current.number in reg.broken_rounds
+        staffed = {w.slot for w in reg.live_workers() if not w.leave}
+        if [a.slot for a in desired] != [a.slot for a in self._target] or any(
+            a.slot not in staffed for a in desired
+        ):
+            verdict = self._retarget(desired, now)
+            if verdict is not None:
+                return verdict
+        # A broken round needs no announcement: its survivors' collectives fail and they
+        # come back to the rendezvous on their own.
+        self._announce_if_ready(current, broken)
+        return None
+
+    def _retarget(self, desired: list[SlotAssignment], now: float) -> policy.Verdict | None:
+        reg = self._registry
+        by_slot = {w.slot: w for w in reg.live_workers() if not w.leave}
+        if reg.round is not None:
+            previous_hosts = sorted({reg.workers[w].slot.host for w in reg.round.members})
+            surviving = sorted(
+                {
+                    a.slot.host
+                    for a in desired
+                    if a.slot in by_slot and by_slot[a.slot].worker_id in reg.round.members
+                }
+            )
+            verdict = policy.check_previous_hosts_remain(
+                previous_hosts, surviving, [a.slot.host for a in desired]
+            )
+            if verdict is not None:
+                return verdict
+        self._target = desired
+        self._target_since = now
+        log.info("Target world: %d slot(s): %s.", len(desired), ", ".join(str(a.slot) for a in desired))
+        wanted = {a.slot for a in desired}
+        for record in reg.live_workers():
+            if record.slot not in wanted:
+                record.leave = True  # answered EXIT at its next rendezvous
+                reg.cond.notify_all()
+        for a in desired:
+            if a.slot not in by_slot:
+                self._spawn(a)
+        return None
+
+    def _announce_if_ready(self, current: RoundInfo | None, broken: bool) -> None:
+        """Bump the generation so members leave their round at the same step.
+
+        Joiners are given the time to start first (importing torch takes seconds) so the
+        members keep training meanwhile; a removal is announced at once.
+        """
+        reg = self._registry
+        if current is None or broken:
+            return
+        target_slots = tuple(a.slot for a in self._target)
+        if target_slots == self._announced_for:
+            return
+        members = [reg.workers[w] for w in current.members]
+        if target_slots == tuple(m.slot for m in members if not m.state.finished):
+            return
+        member_ids = set(current.members)
+        by_slot = {w.slot: w for w in reg.live_workers()}
+        joiners = [by_slot.get(s) for s in target_slots if by_slot.get(s) is None or by_slot[s].worker_id not in member_ids]
+        removal = any(m.leave for m in members)
+        joiners_ready = all(j is not None and j.state == WorkerState.WAITING for j in joiners)
+        if removal or joiners_ready:
+            generation = reg.bump_generation()
+            self._announced_for = target_slots
+            log.info("Announced host change to the workers of round %d (generation %d).", current.number, generation)
+
+    def _maybe_form_round(self) -> policy.Verdict | None:
+        reg = self._registry
+        if not self._target:
+            return None
+        by_slot = {w.slot: w for w in reg.live_workers() if not w.leave}
+        members = []
+        for a in self._target:
+            record = by_slot.get(a.slot)
+            if record is None or record.state != WorkerState.WAITING:
+                return None
+            members.append((record, a))
+        current = reg.round
+        if current is not None:
+            last_round = current.number
+            fresh = all(r.arrived_after_round in (last_round, 0) for r, _ in members)
+            if not fresh:
+                return None
+            verdict = policy.check_reset_limit(len(self._rounds) - 1, self._config.reset_limit)
+            if verdict is not None:
+                return verdict
+        info = reg.form_round(members, ("127.0.0.1", self._store.port))
+        self._rounds.append(len(members))
+        self._announced_for = None
+        log.info(
+            "Round %d formed with %d worker(s): %s.",
+            info.number, len(members), ", ".join(f"rank {a.rank}={r.worker_id}" for r, a in members),
+        )
+        return None
+
+
+def make_discovery(config: LaunchConfig) -> HostDiscovery:
+    if config.discovery_script is not None:
+        return ScriptDiscovery(config.discovery_script, config.slots_per_host)
+    assert config.hosts is not None
+    return FixedHosts(config.hosts)
+
+
+def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
+    """Run one elastic job to its end; SIGINT and SIGTERM stop it and every worker."""
+    driver = Driver(config, make_discovery(config), out=out)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda s, _f: driver.request_stop(signal.Signals(s).name))
+    try:
+        return driver.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sys.stdout.flush()

@@ -1,0 +1,106 @@
+"""Which hosts may run workers now: discovery order, age, blacklist and cooldown.
+
+Hosts are ordered oldest first (by when they last became available) and, among hosts that
+became available together, in discovery order. That order decides ranks, so surviving
+workers keep the lowest ranks. The clock is passed in so the cooldown is testable without
+sleeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from launcher.hosts import HostSlots
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostChange:
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    resized: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.resized)
+
+
+@dataclasses.dataclass
+class _Blacklisting:
+    count: int
+    until: float | None  # None: for the rest of the job
+
+
+class HostManager:
+    def __init__(self, cooldown: tuple[float, float] | None, clock: Callable[[], float]) -> None:
+        self._cooldown = cooldown
+        self._clock = clock
+        self._discovered: dict[str, int] = {}  # host -> slots, as last discovered
+        self._age: dict[str, int] = {}  # host -> order it became available in
+        self._next_age = 0
+        self._blacklist: dict[str, _Blacklisting] = {}
+        self._available: list[HostSlots] = []
+
+    def update(self, discovered: list[HostSlots]) -> HostChange:
+        """Take a new discovery result; return how the available hosts changed."""
+        self._discovered = {h.host: h.slots for h in discovered}
+        return self._refresh()
+
+    def blacklist(self, host: str) -> float | None:
+        """Blacklist ``host`` after a failure; returns the cooldown in seconds (None: for good)."""
+        entry = self._blacklist.get(host)
+        count = entry.count + 1 if entry else 1
+        delay = None
+        if self._cooldown is not None:
+            low, high = self._cooldown
+            # Exponential back-off inside the user's range: a host that keeps failing
+            # stays out longer each time, but never longer than MAX.
+            delay = min(high, low * 2 ** (count - 1))
+        self._blacklist[host] = _Blacklisting(count, None if delay is None else self._clock() + delay)
+        self._refresh()
+        return delay
+
+    def tick(self) -> HostChange:
+        """Let hosts whose cooldown has passed come back."""
+        return self._refresh()
+
+    def available(self) -> list[HostSlots]:
+        return list(self._available)
+
+    def is_blacklisted(self, host: str) -> bool:
+        return self._is_blacklisted(host, self._clock())
+
+    def all_blacklisted_hosts(self) -> tuple[str, ...]:
+        """The discovered hosts when every one of them is blacklisted, else ()."""
+        now = self._clock()
+        if self._discovered and all(self._is_blacklisted(h, now) for h in self._discovered):
+            return tuple(self._discovered)
+        return ()
+
+    def _is_blacklisted(self, host: str, now: float) -> bool:
+        entry = self._blacklist.get(host)
+        return entry is not None and (entry.until is None or now < entry.until)
+
+    def _refresh(self) -> HostChange:
+        now = self._clock()
+        before = {h.host: h.slots for h in self._available}
+        usable = [h for h in self._discovered if not self._is_blacklisted(h, now)]
+        for host in list(self._age):
+            if host not in usable:
+                del self._age[host]  # a host that comes back later is a new, young host
+        for host in usable:  # dict order = discovery order among hosts new together
+            if host not in self._age:
+                self._age[host] = self._next_age
+                self._next_age += 1
+                if host in self._blacklist:
+                    log.info("Host %s is back after its blacklist cooldown.", host)
+        ordered = sorted(usable, key=self._age.__getitem__)
+        self._available = [HostSlots(h, self._discovered[h]) for h in ordered]
+        after = {h.host: h.slots for h in self._available}
+        return HostChange(
+            added=tuple(h for h in after if h not in before),
+            removed=tuple(h for h in before if h not in after),
+            resized=tuple(h for h in after if h in before and after[h] != before[h]),
+        )

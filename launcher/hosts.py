@@ -1,0 +1,145 @@
+"""Host specifications and the assignment of ranks to slots (pure functions)."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+from collections.abc import Iterable, Sequence
+
+from launcher.errors import ConfigError, DiscoveryError
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSlots:
+    host: str
+    slots: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotKey:
+    """One process slot: a worker's host and local rank, fixed for the worker's life."""
+
+    host: str
+    local_rank: int
+
+    def __str__(self) -> str:
+        return f"{self.host}[{self.local_rank}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotAssignment:
+    slot: SlotKey
+    rank: int
+    size: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+def parse_host_entry(entry: str, default_slots: int | None, what: str) -> HostSlots:
+    """Parse ``host`` or ``host:slots``; ``what`` names where the text came from."""
+    text = entry.strip()
+    host, sep, slots_text = text.rpartition(":")
+    if not sep:
+        host, slots_text = text, ""
+    if not host or any(c.isspace() for c in host):
+        raise ConfigError(f"{what}: invalid host entry {entry!r}, expected HOST[:SLOTS]")
+    if slots_text == "":
+        if default_slots is None:
+            raise ConfigError(
+                f"{what}: host entry {entry!r} has no slot count; "
+                "write HOST:SLOTS or pass --slots-per-host"
+            )
+        return HostSlots(host, default_slots)
+    try:
+        slots = int(slots_text)
+    except ValueError:
+        raise ConfigError(
+            f"{what}: invalid slot count {slots_text!r} in {entry!r}, expected a positive integer"
+        ) from None
+    if slots < 1:
+        raise ConfigError(f"{what}: slot count in {entry!r} must be at least 1, got {slots}")
+    return HostSlots(host, slots)
+
+
+def parse_host_list(text: str, default_slots: int | None = None) -> list[HostSlots]:
+    """Parse ``-H host1:2,host2:1``."""
+    entries = [e for e in text.split(",") if e.strip()]
+    if not entries:
+        raise ConfigError(f"-H/--hosts: empty host list {text!r}, expected HOST:SLOTS[,HOST:SLOTS...]")
+    return _unique([parse_host_entry(e, default_slots, "-H/--hosts") for e in entries], "-H/--hosts")
+
+
+def parse_discovery_output(text: str, default_slots: int | None) -> list[HostSlots]:
+    """Parse a discovery script's output: one ``host[:slots]`` per line, blank lines ignored."""
+    hosts = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            hosts.append(parse_host_entry(line, default_slots, "host discovery script output"))
+        except ConfigError as err:
+            raise DiscoveryError(str(err)) from None
+    try:
+        return _unique(hosts, "host discovery script output")
+    except ConfigError as err:
+        raise DiscoveryError(str(err)) from None
+
+
+def _unique(hosts: list[HostSlots], what: str) -> list[HostSlots]:
+    seen: set[str] = set()
+    for h in hosts:
+        if h.host in seen:
+            raise ConfigError(f"{what}: host {h.host!r} is listed twice")
+        seen.add(h.host)
+    return hosts
+
+
+def assign_slots(hosts: Sequence[HostSlots], max_np: int) -> list[SlotAssignment]:
+    """Assign ranks host by host in the given order, at most ``max_np`` in all.
+
+    The caller orders hosts oldest first, so surviving workers keep the lowest ranks and
+    rank 0 (the root of every state broadcast) holds current state. ``cross_rank`` is the
+    host's index among hosts that have a slot with the same local rank.
+    """
+    chosen: list[tuple[HostSlots, int]] = []
+    remaining = max_np
+    for h in hosts:
+        if remaining <= 0:
+            break
+        take = min(h.slots, remaining)
+        chosen.append((h, take))
+        remaining -= take
+    size = sum(take for _, take in chosen)
+    result = []
+    rank = 0
+    for host_index, (h, take) in enumerate(chosen):
+        for local_rank in range(take):
+            peers = [i for i, (_, t) in enumerate(chosen) if t > local_rank]
+            result.append(
+                SlotAssignment(
+                    slot=SlotKey(h.host, local_rank),
+                    rank=rank,
+                    size=size,
+                    local_size=take,
+                    cross_rank=peers.index(host_index),
+                    cross_size=len(peers),
+                )
+            )
+            rank += 1
+    return result
+
+
+def count_slots(hosts: Iterable[HostSlots]) -> int:
+    return sum(h.slots for h in hosts)
+
+
+def is_local_host(host: str) -> bool:
+    """True for names of this machine: loopback addresses, ``localhost``, its own names."""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

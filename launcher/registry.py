@@ -1,0 +1,220 @@
+"""The driver's view of its workers and rounds, shared by the driver loop and the rendezvous service.
+
+One object owns this runtime state and one lock guards it. The rendezvous service's request
+handlers only record what workers say and wait (bounded) for the driver loop's decisions;
+the driver loop makes every membership decision. A ``threading.Condition`` wakes both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from enum import Enum
+
+from launcher.hosts import SlotAssignment, SlotKey
+from lightning_elastic.protocol import (
+    Assignment,
+    HeartbeatReply,
+    HeartbeatRequest,
+    Outcome,
+    RendezvousReply,
+    RendezvousRequest,
+    RendezvousStatus,
+    Report,
+    RoundLostReply,
+    RoundLostRequest,
+    RENDEZVOUS_POLL,
+)
+
+
+
+class WorkerState(str, Enum):
+    """Life cycle of a worker, as the driver sees it.
+
+    STARTING -> WAITING (asked for a round) -> MEMBER (in the current round) -> WAITING ...
+    and finally DONE (reported that training returned, then exited), REMOVED (left because
+    its slot was taken out of the job, or was stopped by the driver) or FAILED (exited
+    without reporting success, or was killed as wedged).
+    """
+
+    STARTING = "starting"
+    WAITING = "waiting"
+    MEMBER = "member"
+    DONE = "done"
+    REMOVED = "removed"
+    FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in (WorkerState.DONE, WorkerState.REMOVED, WorkerState.FAILED)
+
+
+class UnknownWorker(LookupError):
+    pass
+
+
+@dataclasses.dataclass
+class WorkerRecord:
+    worker_id: str
+    slot: SlotKey
+    started_at: float
+    state: WorkerState = WorkerState.STARTING
+    assignment: Assignment | None = None
+    arrived_after_round: int | None = None  # set while it waits at the rendezvous
+    waiting_since: float | None = None
+    last_heartbeat: float | None = None
+    asking_round: int | None = None  # set while it asks whether its round lost a member
+    report: Report | None = None
+    leave: bool = False  # answer EXIT at its next rendezvous
+    exit_status: int | None = None
+
+    @property
+    def rank(self) -> int | None:
+        return self.assignment.rank if self.assignment and self.state == WorkerState.MEMBER else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundInfo:
+    number: int
+    members: tuple[str, ...]  # worker ids in rank order
+    generation: int
+
+
+class Registry:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.cond = threading.Condition()
+        self.workers: dict[str, WorkerRecord] = {}
+        self.round: RoundInfo | None = None
+        self.generation = 0
+        self.broken_rounds: set[int] = set()
+
+    # ----- driver side (call with self.cond held) -------------------------------------
+
+    def add_worker(self, worker_id: str, slot: SlotKey) -> WorkerRecord:
+        record = WorkerRecord(worker_id, slot, started_at=self._clock())
+        self.workers[worker_id] = record
+        return record
+
+    def live_workers(self) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if not w.state.finished]
+
+    def bump_generation(self) -> int:
+        self.generation += 1
+        self.cond.notify_all()
+        return self.generation
+
+    def mark_round_broken(self, number: int) -> None:
+        self.broken_rounds.add(number)
+        self.cond.notify_all()
+
+    def form_round(
+        self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]
+    ) -> RoundInfo:
+        number = (self.round.number if self.round else 0) + 1
+        for record, slot in members:
+            record.assignment = Assignment(
+                round=number,
+                rank=slot.rank,
+                size=slot.size,
+                local_rank=slot.slot.local_rank,
+                local_size=slot.local_size,
+                cross_rank=slot.cross_rank,
+                cross_size=slot.cross_size,
+                hostname=slot.slot.host,
+                store_host=store[0],
+                store_port=store[1],
+                generation=self.generation,
+            )
+            record.state = WorkerState.MEMBER
+            record.arrived_after_round = None
+            record.waiting_since = None
+        self.round = RoundInfo(number, tuple(r.worker_id for r, _ in members), self.generation)
+        self.cond.notify_all()
+        return self.round
+
+    # ----- service side: each call records, then waits (bounded) for the driver -------
+
+    def _get(self, worker_id: str) -> WorkerRecord:
+        record = self.workers.get(worker_id)
+        if record is None or record.state.finished:
+            raise UnknownWorker(f"unknown or finished worker {worker_id!r}")
+        return record
+
+    def rendezvous(self, request: RendezvousRequest, timeout: float = RENDEZVOUS_POLL) -> RendezvousReply:
+        deadline = self._clock() + timeout
+        with self.cond:
+            record = self._get(request.worker_id)
+            now = self._clock()
+            record.last_heartbeat = now
+            if record.arrived_after_round != request.after_round or record.state != WorkerState.WAITING:
+                record.waiting_since = now
+            record.arrived_after_round = request.after_round
+            record.state = WorkerState.WAITING if not record.leave else record.state
+            self.cond.notify_all()
+            while True:
+                if record.leave:
+                    return RendezvousReply(RendezvousStatus.EXIT)
+                a = record.assignment
+                if record.state == WorkerState.MEMBER and a and a.round > request.after_round:
+                    return RendezvousReply(RendezvousStatus.ASSIGNED, a)
+                remaining = deadline - self._clock()
+                if remaining <= 0 or record.state.finished:
+                    return RendezvousReply(RendezvousStatus.WAIT)
+                self.cond.wait(remaining)
+
+    def heartbeat(self, request: HeartbeatRequest) -> HeartbeatReply:
+        deadline = self._clock() + min(request.wait_seconds, RENDEZVOUS_POLL)
+        with self.cond:
+            record = self._get(request.worker_id)
+            record.last_heartbeat = self._clock()
+            while self.generation <= request.known_generation:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    break
+                self.cond.wait(remaining)
+            return HeartbeatReply(self.generation, max(self.broken_rounds, default=0))
+
+    def round_lost(self, request: RoundLostRequest) -> RoundLostReply:
+        """Did ``request.round`` lose a member? Answers early both ways.
+
+        Yes as soon as the driver has seen a member exit; no at once when every live member
+        of the round is asking too (the same error everywhere: the user's own), otherwise
+        no after the bounded wait.
+        """
+        deadline = self._clock() + min(request.wait_seconds, 60.0)
+        with self.cond:
+            record = self._get(request.worker_id)
+            record.asking_round = request.round
+            record.last_heartbeat = self._clock()
+            self.cond.notify_all()
+            try:
+                while True:
+                    if request.round in self.broken_rounds:
+                        return RoundLostReply(True)
+                    if self._all_members_asking(request.round):
+                        return RoundLostReply(False)
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        return RoundLostReply(False)
+                    self.cond.wait(remaining)
+            finally:
+                record.asking_round = None
+
+    def _all_members_asking(self, number: int) -> bool:
+        if self.round is None or self.round.number != number:
+            return False
+        members = [self.workers[w] for w in self.round.members]
+        return all(m.asking_round == number for m in members if not m.state.finished)
+
+    def report(self, report: Report) -> None:
+        with self.cond:
+            record = self._get(report.worker_id)
+            record.report = report
+            self.cond.notify_all()
+
+
+def outcome_of(record: WorkerRecord) -> Outcome | None:
+    return record.report.outcome if record.report else None

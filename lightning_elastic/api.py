@@ -1,0 +1,58 @@
+"""The module-level worker API: ``le.init()``, ``le.rank()``, ``le.size()``, ...
+
+``init()`` creates this process's one ``ElasticWorker`` and keeps it here so the
+functions below can answer; everything else takes a worker explicitly where it can.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from lightning_elastic.worker import ElasticWorker, SlotInfo
+
+_worker: ElasticWorker | None = None
+
+
+def init() -> ElasticWorker:
+    """Join the job described by the launcher's environment (a world of one without it)."""
+    global _worker
+    if _worker is None:
+        worker = ElasticWorker.from_environment()
+        worker.start()
+        atexit.register(worker.shutdown)
+        _worker = worker
+    return _worker
+
+
+def current_worker() -> ElasticWorker:
+    if _worker is None:
+        raise RuntimeError("lightning_elastic is not initialised: call lightning_elastic.init() first")
+    return _worker
+
+
+def rank() -> int:
+    return current_worker().assignment.rank
+
+
+def size() -> int:
+    return current_worker().assignment.size
+
+
+def local_rank() -> int:
+    return current_worker().assignment.local_rank
+
+
+def local_size() -> int:
+    return current_worker().assignment.local_size
+
+
+def cross_rank() -> int:
+    return current_worker().assignment.cross_rank
+
+
+def cross_size() -> int:
+    return current_worker().assignment.cross_size
+
+
+def slot_info() -> SlotInfo:
+    return current_worker().slot_info()

@@ -1,0 +1,75 @@
+"""Forming and tearing down the torch.distributed process group of one round.
+
+Backend: NCCL when CUDA is available (one device per worker: ``cuda:LOCAL_RANK``), gloo
+otherwise. Every round uses a fresh ``PrefixStore`` on the job's one TCPStore, so no key
+of an earlier round is ever read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+    backend: str
+    device: torch.device
+
+
+def choose_backend(local_rank: int, cuda_available: bool | None = None) -> BackendChoice:
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        return BackendChoice("nccl", torch.device("cuda", local_rank))
+    return BackendChoice("gloo", torch.device("cpu"))
+
+
+def nccl_environment(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    """Variables that make an NCCL collective error raise instead of killing the process.
+
+    torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING=3 tears the process down on a collective
+    error; mode 2 aborts only the communicator, so ``@run`` can catch the error, re-form the
+    group and go on. A value the user set is kept.
+    """
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def init_round_group(
+    store: dist.Store, round_number: int, rank: int, size: int, choice: BackendChoice,
+    timeout: datetime.timedelta,
+) -> None:
+    if choice.backend == "nccl":
+        os.environ.update(nccl_environment(os.environ))
+        torch.cuda.set_device(choice.device)
+    prefixed = dist.PrefixStore(f"lightning_elastic/round/{round_number}/", store)
+    kwargs = {"device_id": choice.device} if choice.backend == "nccl" else {}
+    dist.init_process_group(
+        choice.backend, store=prefixed, rank=rank, world_size=size, timeout=timeout, **kwargs
+    )
+
+
+def destroy_round_group(abort: bool = False) -> None:
+    """Leave the current group. ``abort`` unblocks collectives stuck on a dead NCCL peer."""
+    if not dist.is_initialized():
+        return
+    if abort:
+        abort_fn = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort_fn is not None:
+            try:
+                abort_fn()
+                return
+            except Exception as err:  # fall back to an ordinary destroy
+                log.debug("Aborting the process group failed: %s", err)
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # a group broken by a lost peer may fail to shut down cleanly
+        log.debug("Destroying the process group raised %s; continuing.", err)

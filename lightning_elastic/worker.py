@@ -1,0 +1,263 @@
+"""A worker's membership in the job: rendezvous, process group, heartbeats, host-change checks.
+
+``ElasticWorker.from_environment()`` joins the job the launcher describes in the
+environment; without a launcher it is a world of one (so the same script runs alone).
+Threads and sockets start in ``start()``, never in the constructor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_elastic import protocol as p
+from lightning_elastic.client import DriverClient
+from lightning_elastic.errors import HostsUpdatedInterrupt, RendezvousError
+from lightning_elastic.process_group import (
+    BackendChoice,
+    choose_backend,
+    destroy_round_group,
+    init_round_group,
+)
+
+log = logging.getLogger(__name__)
+
+DRIVER_LOST_AFTER = 60.0  # a worker that cannot reach its driver this long exits
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInfo:
+    hostname: str
+    rank: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    driver_url: str
+    secret: str
+    worker_id: str
+    hostname: str
+    heartbeat_interval: float
+    elastic_timeout: float
+    lost_member_wait: float
+    process_group_timeout: float
+
+    @classmethod
+    def from_environment(cls, environ: os._Environ | dict[str, str]) -> WorkerSettings | None:
+        if p.ENV_DRIVER_URL not in environ:
+            return None
+        try:
+            return cls(
+                driver_url=environ[p.ENV_DRIVER_URL],
+                secret=environ[p.ENV_SECRET],
+                worker_id=environ[p.ENV_WORKER_ID],
+                hostname=environ[p.ENV_HOSTNAME],
+                heartbeat_interval=float(environ.get(p.ENV_HEARTBEAT_INTERVAL, "1")),
+                elastic_timeout=float(environ.get(p.ENV_ELASTIC_TIMEOUT, "600")),
+                lost_member_wait=float(environ.get(p.ENV_LOST_MEMBER_WAIT, "5")),
+                process_group_timeout=float(environ.get(p.ENV_PROCESS_GROUP_TIMEOUT, "60")),
+            )
+        except KeyError as err:
+            raise RendezvousError(
+                f"environment variable {err.args[0]} is missing: start workers with lightning-elastic launch"
+            ) from None
+
+
+class ElasticWorker:
+    def __init__(self, settings: WorkerSettings | None) -> None:
+        self.settings = settings
+        self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
+        self._store: dist.TCPStore | None = None
+        self._assignment: p.Assignment | None = None
+        self._seen_generation = 0
+        self._last_broken_round = 0
+        self._lock = threading.Lock()
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._backend: BackendChoice | None = None
+
+    @classmethod
+    def from_environment(cls) -> ElasticWorker:
+        return cls(WorkerSettings.from_environment(os.environ))
+
+    @property
+    def elastic(self) -> bool:
+        return self.settings is not None
+
+    # ----- membership -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join: start heartbeats, wait for the first round, form its process group."""
+        if self.settings is None:
+            self._assignment = p.Assignment(1, 0, 1, 0, 1, 0, 1, "localhost", "", 0, 0)
+            self._form_group()
+            return
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="elastic-heartbeat", daemon=True)
+        self._heartbeat.start()
+        self._join_next_round()
+
+    def reset(self) -> None:
+        """Leave the current round and join the next one (called by ``@run``)."""
+        destroy_round_group(abort=self.backend == "nccl")
+        if self.settings is None:
+            self._form_group()
+        else:
+            self._join_next_round()
+
+    def shutdown(self) -> None:
+        self._heartbeat_stop.set()
+        destroy_round_group()
+        if self._client is not None:
+            self._client.close()
+
+    def _join_next_round(self) -> None:
+        assert self._client is not None and self.settings is not None
+        after = self._assignment.round if self._assignment else 0
+        deadline = time.monotonic() + self.settings.elastic_timeout + 60.0
+        while True:
+            reply = self._client.rendezvous(after)
+            if reply.status == p.RendezvousStatus.ASSIGNED:
+                assert reply.assignment is not None
+                break
+            if reply.status == p.RendezvousStatus.EXIT:
+                log.info("Worker %s is no longer part of the job: leaving.", self.settings.worker_id)
+                self._client.report(after, p.Outcome.REMOVED)
+                self.shutdown()
+                sys.exit(0)
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"no round was formed within {self.settings.elastic_timeout:g} s")
+        self._assignment = reply.assignment
+        self._publish_environment(reply.assignment)
+        self._form_group()
+
+    def _form_group(self) -> None:
+        a = self._assignment
+        assert a is not None
+        self._backend = choose_backend(a.local_rank)
+        if self.settings is None:
+            store: dist.Store = dist.HashStore()
+            timeout = datetime.timedelta(seconds=60)
+        else:
+            if self._store is None:
+                self._store = dist.TCPStore(
+                    a.store_host, a.store_port, is_master=False,
+                    timeout=datetime.timedelta(seconds=60), use_libuv=True,
+                )
+            store = self._store
+            timeout = datetime.timedelta(seconds=self.settings.process_group_timeout)
+        init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
+
+    @staticmethod
+    def _publish_environment(a: p.Assignment) -> None:
+        # Libraries that read torch's usual variables see the current round.
+        os.environ.update(
+            {
+                "RANK": str(a.rank),
+                "WORLD_SIZE": str(a.size),
+                "LOCAL_RANK": str(a.local_rank),
+                "LOCAL_WORLD_SIZE": str(a.local_size),
+                "GROUP_RANK": str(a.cross_rank),
+            }
+        )
+
+    # ----- what the run loop asks -----------------------------------------------------
+
+    @property
+    def assignment(self) -> p.Assignment:
+        if self._assignment is None:
+            raise RuntimeError("lightning_elastic is not initialised: call lightning_elastic.init() first")
+        return self._assignment
+
+    @property
+    def backend(self) -> str:
+        return self._backend.backend if self._backend else "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        return self._backend.device if self._backend else torch.device("cpu")
+
+    def slot_info(self) -> SlotInfo:
+        a = self.assignment
+        hostname = self.settings.hostname if self.settings else a.hostname
+        return SlotInfo(hostname, a.rank, a.local_rank, a.local_size, a.cross_rank, a.cross_size, a.size)
+
+    def check_host_updates(self) -> None:
+        """Raise ``HostsUpdatedInterrupt`` on every rank at once if hosts changed.
+
+        Each rank knows the newest generation its heartbeat saw; one MAX all-reduce makes
+        that knowledge common, so all ranks decide alike at this same step.
+        """
+        if self.settings is None:
+            return
+        with self._lock:
+            seen = self._seen_generation
+        flag = torch.tensor([seen], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        newest = int(flag.item())
+        if newest > self.assignment.generation:
+            raise HostsUpdatedInterrupt(
+                f"hosts changed (generation {newest}, round {self.assignment.round} formed at "
+                f"{self.assignment.generation})"
+            )
+
+    def round_lost_member(self) -> bool:
+        """Ask the driver (bounded wait) whether the current round lost a member."""
+        if self._client is None or self.settings is None:
+            return False
+        with self._lock:
+            if self._last_broken_round >= self.assignment.round:
+                return True
+        return self._client.round_lost(self.assignment.round, self.settings.lost_member_wait)
+
+    def report(self, outcome: p.Outcome, message: str = "") -> None:
+        if self._client is not None and self._assignment is not None:
+            try:
+                self._client.report(self._assignment.round, outcome, message)
+            except RendezvousError as err:
+                log.warning("Could not report %s to the driver: %s", outcome.value, err)
+
+    # ----- heartbeat thread -----------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        assert self._client is not None and self.settings is not None
+        last_ok = time.monotonic()
+        interval = self.settings.heartbeat_interval
+        while not self._heartbeat_stop.is_set():
+            try:
+                with self._lock:
+                    known = self._seen_generation
+                reply = self._client.heartbeat(known, interval)
+            except RendezvousError as err:
+                if "(409)" in str(err):
+                    return  # the driver has finished with this worker
+                if time.monotonic() - last_ok > DRIVER_LOST_AFTER:
+                    # The driver is gone: no one will ever form another round. Leave rather
+                    # than linger as a stray process.
+                    print(f"lightning-elastic: driver unreachable for {DRIVER_LOST_AFTER:g} s: exiting",
+                          file=sys.stderr, flush=True)
+                    os._exit(1)
+                self._heartbeat_stop.wait(interval)
+                continue
+            last_ok = time.monotonic()
+            with self._lock:
+                self._seen_generation = max(self._seen_generation, reply.generation)
+                newly_broken = reply.last_broken_round > self._last_broken_round
+                self._last_broken_round = max(self._last_broken_round, reply.last_broken_round)
+            a = self._assignment
+            if newly_broken and a is not None and reply.last_broken_round == a.round and self.backend == "nccl":
+                # NCCL often hangs, rather than fails, on a dead peer: abort the communicator
+                # so the stuck collective raises and @run can recover.
+                destroy_round_group(abort=True)
