@@ -110,7 +110,7 @@ def main() -> None:
                 state.seen.extend(i for part in seen for i in part)
                 sampler.record_batch(batch_idx, args.batch_size)
                 state.step += 1
-                events.emit("step", epoch=state.epoch, step=state.step, loss=float(loss), real=len(real))
+                events.emit("step", epoch=state.epoch, step=state.step, loss=loss.item(), real=len(real))
                 if state.step % args.commit_every == 0:
                     state.commit()
             committed = sorted(state.seen[: sampler.dataset_size])

@@ -54,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if command and command[0] == "--":
         command = command[1:]
     hosts: list[HostSlots] | None = None
-    script = args.host_discovery_script
+    script = args.host_discovery_script.absolute() if args.host_discovery_script else None
     if args.hosts is not None:
         hosts = parse_host_list(args.hosts, args.slots_per_host)
     if args.slots_per_host is not None and args.slots_per_host < 1:
