@@ -35,8 +35,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--events", type=Path, help="directory for per-worker JSON-lines event logs")
     parser.add_argument("--fail-at-step", type=int, default=-1,
-                        help="raise a ValueError at this global step (with --fail-rank)")
-    parser.add_argument("--fail-rank", type=int, default=-1, help="rank that raises; -1: every rank")
+                        help="raise a ValueError at this global step (with --fail-on-host)")
+    parser.add_argument("--fail-on-host", default="all",
+                        help="host whose workers raise at --fail-at-step; 'all': every worker")
     return parser.parse_args()
 
 
@@ -93,7 +94,7 @@ def main() -> None:
         while state.epoch < args.epochs:
             sampler.set_epoch(state.epoch)
             for batch_idx, (index, x, y) in enumerate(loader):
-                if state.step == args.fail_at_step and args.fail_rank in (-1, le.rank()):
+                if state.step == args.fail_at_step and args.fail_on_host in ("all", le.slot_info().hostname):
                     raise ValueError(f"injected failure at step {state.step} on rank {le.rank()}")
                 optimizer.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)

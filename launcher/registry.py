@@ -90,6 +90,9 @@ class Registry:
         self.round: RoundInfo | None = None
         self.generation = 0
         self.broken_rounds: set[int] = set()
+        # Rounds in which every live member once asked round_lost at the same time: the same
+        # error everywhere is the user's own. Sticky, so members answered later agree.
+        self.user_error_rounds: set[int] = set()
 
     # ----- driver side (call with self.cond held) -------------------------------------
 
@@ -192,9 +195,13 @@ class Registry:
             self.cond.notify_all()
             try:
                 while True:
+                    if request.round in self.user_error_rounds:
+                        return RoundLostReply(False)
                     if request.round in self.broken_rounds:
                         return RoundLostReply(True)
                     if self._all_members_asking(request.round):
+                        self.user_error_rounds.add(request.round)
+                        self.cond.notify_all()
                         return RoundLostReply(False)
                     remaining = deadline - self._clock()
                     if remaining <= 0:

@@ -7,6 +7,8 @@ functions below can answer; everything else takes a worker explicitly where it c
 from __future__ import annotations
 
 import atexit
+import logging
+import sys
 
 from lightning_elastic.worker import ElasticWorker, SlotInfo
 
@@ -17,11 +19,22 @@ def init() -> ElasticWorker:
     """Join the job described by the launcher's environment (a world of one without it)."""
     global _worker
     if _worker is None:
+        _log_to_stderr()
         worker = ElasticWorker.from_environment()
         worker.start()
         atexit.register(worker.shutdown)
         _worker = worker
     return _worker
+
+
+def _log_to_stderr() -> None:
+    """Show the worker's elastic events (resets, restores) unless the user configured logging."""
+    logger = logging.getLogger("lightning_elastic")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("lightning-elastic: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def current_worker() -> ElasticWorker:

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's demo command: sets up .venv if needed, then runs an elastic job on this
+# machine that loses a worker (SIGKILL) and gains a host, ending in the driver's summary.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup-venv.sh"
+exec "$root/.venv/bin/python" "$root/examples/demo.py"

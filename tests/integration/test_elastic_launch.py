@@ -1,0 +1,255 @@
+"""The elastic runtime end to end: real launches, real workers on gloo, real signals.
+
+Hosts are loopback addresses (127.0.0.1, 127.0.0.2, ...): distinct hosts for ranks and the
+blacklist, all on this machine. The example loop logs what each worker did; the driver's
+log and its one-line verdict tell how the job ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+import requests
+
+from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
+
+pytestmark = pytest.mark.integration
+
+H1, H2, H3 = "127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"
+STEADY = ["--step-delay", "0.05", "--samples", "192", "--batch-size", "8", "--commit-every", "2"]
+
+
+def discovery_args(job: Job, *extra: str) -> list[str]:
+    return ["--host-discovery-script", str(job.discovery_script()), "--discovery-interval", "0.2", *extra]
+
+
+def last_step_of_round(job: Job, size: int) -> int:
+    return max(e["step"] for e in job.events("step") if e["size"] == size)
+
+
+def synced_step(job: Job, round_number: int) -> int:
+    steps = {e["step"] for e in job.events("synced") if e["round"] == round_number}
+    assert len(steps) == 1, f"ranks disagree on the step after round {round_number}: {steps}"
+    return steps.pop()
+
+
+def test_sigkilled_worker_survivors_restore_commit_and_finish(job: Job) -> None:
+    job.set_hosts(H1, H2, H3)
+    job.start(discovery_args(job, "-np", "3", "--min-np", "1"), [*STEADY, "--epochs", "3"])
+    job.wait_rounds(1)
+    job.wait_steps(5)
+    os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "was killed by SIGKILL" in err
+    assert "Blacklisted host 127.0.0.2" in err
+    assert job.world_sizes() == [3, 2]
+    # Survivors restored the last commit: the new round starts at a committed step.
+    assert synced_step(job, 2) % 2 == 0
+    survivors = {e["pid"] for e in job.events("done")}
+    assert survivors == {e["pid"] for e in job.events("start") if not e["worker"].startswith("127.0.0.2")}
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+    assert "job succeeded" in job.reason()
+
+
+def test_worker_exception_is_reported_and_job_goes_on(job: Job) -> None:
+    job.set_hosts(H1, H2, H3)
+    code = job.run(
+        discovery_args(job, "-np", "3", "--min-np", "1"),
+        [*STEADY, "--epochs", "2", "--fail-at-step", "5", "--fail-on-host", "127.0.0.2"],
+    )
+    assert code == 0, job.stderr()[-3000:]
+    out = job.stdout()
+    assert "Traceback (most recent call last)" in out
+    assert "ValueError: injected failure at step 5" in out
+    err = job.stderr()
+    assert "after raising ValueError: injected failure" in err
+    assert "Blacklisted host 127.0.0.2" in err
+    assert job.world_sizes() == [3, 2]
+    assert_epochs_complete(job, 2)
+    assert_replicas_identical(job)
+
+
+def test_added_host_joins_with_broadcast_state(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    job.start(discovery_args(job, "-np", "2", "--min-np", "1", "--max-np", "3"), [*STEADY, "--epochs", "4"])
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    job.set_hosts(H1, H2, H3)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [2, 3]
+    # A host change keeps live state: the new round starts where the old one stopped.
+    assert synced_step(job, 2) == last_step_of_round(job, 2)
+    joiner = [e for e in job.events("synced") if e["worker"].startswith("127.0.0.3")]
+    assert joiner and joiner[0]["round"] == 2
+    assert_epochs_complete(job, 4)
+    assert_replicas_identical(job)
+
+
+def test_removed_host_shrinks_world_without_rollback(job: Job) -> None:
+    job.set_hosts(H1, H2, H3)
+    job.start(discovery_args(job, "-np", "3", "--min-np", "1"), [*STEADY, "--epochs", "3"])
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    job.set_hosts(H1, H2)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert job.world_sizes() == [3, 2]
+    assert "failures:      0" in err
+    assert "left the job" in err
+    assert synced_step(job, 2) == last_step_of_round(job, 3)
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+
+
+def test_hosts_added_and_removed_repeatedly(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    job.start(discovery_args(job, "-np", "2", "--min-np", "1", "--max-np", "3"),
+              [*STEADY, "--epochs", "12"])
+    schedule = [(H1, H2, H3), (H1, H2), (H1, H2, H3), (H1, H2)]
+    job.wait_rounds(1)
+    for number, hosts in enumerate(schedule, start=2):
+        job.wait_steps(max(e["step"] for e in job.events("step")) + 2 if job.events("step") else 2)
+        job.set_hosts(*hosts)
+        job.wait_rounds(number)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [2, 3, 2, 3, 2]
+    assert_epochs_complete(job, 12)
+    assert_replicas_identical(job)
+
+
+def test_all_workers_failing_fails_the_job(job: Job) -> None:
+    code = job.run(["-np", "2", "-H", f"{H1},{H2}"], [*STEADY, "--fail-at-step", "3"])
+    assert code != 0
+    assert "job failed: all 2 worker(s) of round 1 failed" in job.reason()
+    assert "ValueError: injected failure" in job.reason()
+
+
+def test_every_host_blacklisted_fails_the_job(job: Job) -> None:
+    job.start(["-np", "2", "--min-np", "1", "-H", "127.0.0.1:2"], [*STEADY, "--epochs", "20"])
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    os.kill(job.worker_pid("127.0.0.1"), signal.SIGKILL)
+    assert job.wait() != 0
+    assert "job failed: every host is blacklisted (127.0.0.1)" in job.reason()
+
+
+def test_reset_limit_exceeded_fails_the_job(job: Job) -> None:
+    job.set_hosts(H1, H2, H3)
+    job.start(discovery_args(job, "-np", "3", "--min-np", "1", "--reset-limit", "0"),
+              [*STEADY, "--epochs", "20"])
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    os.kill(job.worker_pid("127.0.0.3"), signal.SIGKILL)
+    assert job.wait() != 0
+    assert "job failed: reset limit 0 exceeded" in job.reason()
+
+
+def test_below_min_np_past_elastic_timeout_fails_the_job(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    job.start(discovery_args(job, "-np", "2", "--elastic-timeout", "3"), [*STEADY, "--epochs", "20"])
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
+    assert job.wait() != 0
+    assert "job failed: timed out after 3 s waiting for 2 slot(s) (1 available)" in job.reason()
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("#!/bin/sh\necho 'no hosts here' >&2\nexit 3\n", "exited with status 3: no hosts here"),
+        ("#!/bin/sh\necho '127.0.0.1:zero'\n", "invalid slot count 'zero'"),
+    ],
+)
+def test_failing_discovery_script_at_start_fails_at_once(job: Job, body: str, expected: str) -> None:
+    script = job.discovery_script(body)
+    code = job.run(["-np", "1", "--host-discovery-script", str(script)], timeout=60)
+    assert code != 0
+    assert expected in job.reason()
+    assert not job.events("start"), "no worker may start when discovery fails"
+
+
+def test_unreadable_discovery_script_is_rejected(job: Job) -> None:
+    script = job.discovery_script()
+    script.chmod(0o644)
+    code = job.run(["-np", "1", "--host-discovery-script", str(script)], timeout=60)
+    assert code == 2
+    assert f"--host-discovery-script: {script} is not an executable file" in job.reason()
+
+
+def test_blacklisted_host_returns_after_cooldown(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    job.start(
+        discovery_args(job, "-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "2", "4"),
+        [*STEADY, "--epochs", "8"],
+    )
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert "Host 127.0.0.2 is back after its blacklist cooldown" in job.stderr()
+    assert job.world_sizes() == [2, 1, 2]
+    assert_epochs_complete(job, 8)
+    assert_replicas_identical(job)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_driver_signal_stops_every_worker(job: Job, sig: signal.Signals) -> None:
+    job.set_hosts(H1, H2)
+    job.start(discovery_args(job, "-np", "2"), [*STEADY, "--epochs", "50"])
+    job.wait_rounds(1)
+    job.wait_steps(2)
+    assert len(job.stray_processes()) >= 2
+    job.proc.send_signal(sig)
+    assert job.wait(60) != 0
+    assert f"job failed: interrupted by {sig.name}" in job.reason()
+    assert not job.stray_processes(), "workers outlived the driver"
+
+
+def test_driver_sigkill_takes_workers_down(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    job.start(discovery_args(job, "-np", "2"), [*STEADY, "--epochs", "50"])
+    job.wait_rounds(1)
+    job.wait_steps(2)
+    job.proc.kill()
+    job.wait(30)
+    wait_for(lambda: not job.stray_processes(), 15, "workers to die with their driver")
+
+
+def test_bad_requests_to_rendezvous_service_are_rejected(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    job.start(discovery_args(job, "-np", "2"), [*STEADY, "--epochs", "3"])
+    url = wait_for(lambda: _service_url(job), 60, "the rendezvous service address")
+    hb = {"worker_id": "127.0.0.1[0]#0", "known_generation": 0, "wait_seconds": 0}
+    assert requests.post(f"{url}/v1/heartbeat", json=hb, timeout=10).status_code == 401
+    wrong = {"Authorization": "Bearer not-the-secret"}
+    assert requests.post(f"{url}/v1/heartbeat", json=hb, headers=wrong, timeout=10).status_code == 401
+    assert requests.post(f"{url}/v1/report", data=b"\x00garbage", headers=wrong, timeout=10).status_code == 401
+    assert requests.post(f"{url}/v1/nowhere", json=hb, timeout=10).status_code == 404
+    # With the job's secret (read from a worker's environment), malformed bodies still fail.
+    job.wait_steps(1)
+    secret = psutil.Process(job.worker_pid("127.0.0.1")).environ()["LIGHTNING_ELASTIC_SECRET"]
+    auth = {"Authorization": f"Bearer {secret}"}
+    bad_type = requests.post(f"{url}/v1/heartbeat", json={**hb, "known_generation": "x"}, headers=auth, timeout=10)
+    assert bad_type.status_code == 400
+    assert "known_generation: expected int" in bad_type.json()["error"]
+    not_json = requests.post(f"{url}/v1/rendezvous", data=b"{not json", headers=auth, timeout=10)
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]
+    forged = {"worker_id": "intruder", "round": 1, "outcome": "done", "message": ""}
+    assert requests.post(f"{url}/v1/report", json=forged, headers=auth, timeout=10).status_code == 409
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert "rejected rendezvous requests: 7" in job.stderr()
+    assert job.world_sizes() == [2]
+    assert_epochs_complete(job, 3)
+
+
+def _service_url(job: Job) -> str | None:
+    for line in job.stderr().splitlines():
+        if "Rendezvous service at " in line:
+            return line.split("Rendezvous service at ")[1].split(";")[0]
+    return None
