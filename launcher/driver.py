@@ -94,8 +94,8 @@ class Driver:
         self._processes: dict[str, LocalProcess] = {}
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
         self._target: list[SlotAssignment] = []
-        self._target_since = 0.0
         self._announced_for: tuple[SlotKey, ...] | None = None
+        self._reset_pending_since: float | None = None  # members were asked to re-rendezvous
         self._discovery_seq = 0
         self._discovery_error: str | None = None
         self._below_since: float | None = None
@@ -177,7 +177,7 @@ class Driver:
                 self._kill_wedged(now)
                 verdict = self._verdict(now)
                 if verdict is None:
-                    verdict = self._plan(now)
+                    verdict = self._plan()
                 if verdict is None:
                     verdict = self._maybe_form_round()
                 if verdict is not None:
@@ -333,6 +333,13 @@ class Driver:
                         record.worker_id, t.worker_arrival,
                     )
                     proc.signal(signal.SIGKILL)
+            elif self._late_for_rendezvous(record, now):
+                log.warning(
+                    "Worker %s did not come back to the rendezvous within %g s of the reset: killing it.",
+                    record.worker_id, t.worker_arrival,
+                )
+                proc.signal(signal.SIGKILL)
+                self._stopping[record.worker_id] = now + t.stop_grace
             elif now - record.last_heartbeat > t.heartbeat_timeout:
                 log.warning(
                     "Worker %s sent no heartbeat for %g s (hung or stopped): killing it.",
@@ -340,6 +347,19 @@ class Driver:
                 )
                 proc.signal(signal.SIGKILL)
                 self._stopping[record.worker_id] = now + t.stop_grace
+
+    def _late_for_rendezvous(self, record: WorkerRecord, now: float) -> bool:
+        """A member still away from the rendezvous long after its round was reset.
+
+        Heartbeats prove the process is alive, not that it will ever come back (a loop
+        with no collective never notices a broken round): bound that wait too.
+        """
+        since = self._reset_pending_since
+        return (
+            since is not None
+            and record.state == WorkerState.MEMBER
+            and now - since > self._config.timeouts.worker_arrival
+        )
 
     # ----- decisions ------------------------------------------------------------------
 
@@ -368,13 +388,14 @@ class Driver:
             available_slots=available,
             below_required_for=None if self._below_since is None else now - self._below_since,
             discovery_error=self._discovery_error,
+            last_failure=self._failures[-1] if self._failures else "",
         )
         return policy.decide_verdict(view, self._config.elastic_timeout)
 
     def _required_slots(self) -> int:
         return self._config.min_np if self._registry.round is not None else self._config.np
 
-    def _plan(self, now: float) -> policy.Verdict | None:
+    def _plan(self) -> policy.Verdict | None:
         reg = self._registry
         if self._below_since is not None:
             return None  # wait for hosts; the elastic timeout bounds this
@@ -385,7 +406,7 @@ class Driver:
         if [a.slot for a in desired] != [a.slot for a in self._target] or any(
             a.slot not in staffed for a in desired
         ):
-            verdict = self._retarget(desired, now)
+            verdict = self._retarget(desired)
             if verdict is not None:
                 return verdict
         # A broken round needs no announcement: its survivors' collectives fail and they
@@ -393,7 +414,7 @@ class Driver:
         self._announce_if_ready(current, broken)
         return None
 
-    def _retarget(self, desired: list[SlotAssignment], now: float) -> policy.Verdict | None:
+    def _retarget(self, desired: list[SlotAssignment]) -> policy.Verdict | None:
         reg = self._registry
         by_slot = {w.slot: w for w in reg.live_workers() if not w.leave}
         if reg.round is not None:
@@ -411,7 +432,6 @@ class Driver:
             if verdict is not None:
                 return verdict
         self._target = desired
-        self._target_since = now
         log.info("Target world: %d slot(s): %s.", len(desired), ", ".join(str(a.slot) for a in desired))
         wanted = {a.slot for a in desired}
         for record in reg.live_workers():
@@ -430,7 +450,11 @@ class Driver:
         members keep training meanwhile; a removal is announced at once.
         """
         reg = self._registry
-        if current is None or broken:
+        if current is None:
+            return
+        if broken:
+            if self._reset_pending_since is None:
+                self._reset_pending_since = self._clock()
             return
         target_slots = tuple(a.slot for a in self._target)
         if target_slots == self._announced_for:
@@ -440,12 +464,15 @@ class Driver:
             return
         member_ids = set(current.members)
         by_slot = {w.slot: w for w in reg.live_workers()}
-        joiners = [by_slot.get(s) for s in target_slots if by_slot.get(s) is None or by_slot[s].worker_id not in member_ids]
+        joiners = [
+            by_slot.get(s) for s in target_slots if s not in by_slot or by_slot[s].worker_id not in member_ids
+        ]
         removal = any(m.leave for m in members)
         joiners_ready = all(j is not None and j.state == WorkerState.WAITING for j in joiners)
         if removal or joiners_ready:
             generation = reg.bump_generation()
             self._announced_for = target_slots
+            self._reset_pending_since = self._clock()
             log.info("Announced host change to the workers of round %d (generation %d).", current.number, generation)
 
     def _maybe_form_round(self) -> policy.Verdict | None:
@@ -471,6 +498,7 @@ class Driver:
         info = reg.form_round(members, ("127.0.0.1", self._store.port))
         self._rounds.append(len(members))
         self._announced_for = None
+        self._reset_pending_since = None
         log.info(
             "Round %d formed with %d worker(s): %s.",
             info.number, len(members), ", ".join(f"rank {a.rank}={r.worker_id}" for r, a in members),

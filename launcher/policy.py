@@ -35,6 +35,7 @@ class JobView:
     available_slots: int
     below_required_for: float | None  # seconds spent below required_slots, if below now
     discovery_error: str | None  # the latest discovery failure, if the latest poll failed
+    last_failure: str = ""  # the latest worker failure, to explain a blacklist
 
 
 def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
@@ -57,7 +58,8 @@ def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
             f"first: {failed[0].failure}",
         )
     if view.live_workers == 0 and view.blacklisted_hosts:
-        return Verdict(False, f"every host is blacklisted ({', '.join(view.blacklisted_hosts)})")
+        detail = f"; last failure: {view.last_failure}" if view.last_failure else ""
+        return Verdict(False, f"every host is blacklisted ({', '.join(view.blacklisted_hosts)}){detail}")
     if view.below_required_for is not None and view.below_required_for >= elastic_timeout:
         detail = f"; last discovery error: {view.discovery_error}" if view.discovery_error else ""
         return Verdict(

@@ -253,3 +253,18 @@ def _service_url(job: Job) -> str | None:
         if "Rendezvous service at " in line:
             return line.split("Rendezvous service at ")[1].split(";")[0]
     return None
+
+
+def test_stopped_worker_is_killed_after_missed_heartbeats(job: Job) -> None:
+    job.set_hosts(H1, H2, H3)
+    job.start(discovery_args(job, "-np", "3", "--min-np", "1"), [*STEADY, "--epochs", "4"])
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    os.kill(job.worker_pid("127.0.0.2"), signal.SIGSTOP)  # hung, not dead: only heartbeats tell
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "Worker 127.0.0.2[0]#1 sent no heartbeat for 10 s (hung or stopped): killing it." in err
+    assert "was killed by SIGKILL" in err
+    assert job.world_sizes() == [3, 2]
+    assert_epochs_complete(job, 4)
+    assert_replicas_identical(job)
