@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
 from launcher import policy
@@ -37,6 +38,9 @@ from launcher.registry import Registry, RoundInfo, WorkerRecord, WorkerState
 from launcher.rendezvous_server import RendezvousServer
 from launcher.workers import LocalProcess, stop_all
 from lightning_elastic import protocol as p
+
+# Put first on the workers' PYTHONPATH: lightning_elastic/_autoload/sitecustomize.py.
+AUTOLOAD_DIR = Path(p.__file__).resolve().parent / "_autoload"
 
 log = logging.getLogger("lightning_elastic.driver")
 
@@ -222,6 +226,8 @@ class Driver:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # several workers per host would thrash otherwise
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # Our sitecustomize registers strategy="elastic_hvd" when the script imports Lightning.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(AUTOLOAD_DIR), env.get("PYTHONPATH")]))
         assert self._store is not None
         env.update(
             {
@@ -399,8 +405,10 @@ class Driver:
         reg = self._registry
         if self._below_since is not None:
             return None  # wait for hosts; the elastic timeout bounds this
-        desired = assign_slots(self._hosts.available(), self._config.max_np)
         current = reg.round
+        if current is not None and any(reg.workers[w].state == WorkerState.DONE for w in current.members):
+            return None  # training has finished in this round: no new round, only exits to await
+        desired = assign_slots(self._hosts.available(), self._config.max_np)
         broken = current is not None and current.number in reg.broken_rounds
         staffed = {w.slot for w in reg.live_workers() if not w.leave}
         if [a.slot for a in desired] != [a.slot for a in self._target] or any(

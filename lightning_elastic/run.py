@@ -70,7 +70,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                     state.restore()
                     needs_reset = True
                     continue
-                worker.report(p.Outcome.FAILED, _describe(err))
+                worker.report(p.Outcome.FAILED, describe_error(err))
                 raise
             worker.report(p.Outcome.DONE)
             return result
@@ -78,6 +78,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
     return wrapper
 
 
-def _describe(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
+    """The last line of the traceback: what the driver prints as the worker's failure."""
     last = traceback.format_exception_only(type(err), err)[-1].strip()
     return last[:500]

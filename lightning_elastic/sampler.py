@@ -10,6 +10,11 @@ So that every rank runs the same number of steps, a rank whose share is one shor
 one sample of the epoch's final step (at most W-1 repeats per epoch, as torch's
 DistributedSampler does). Those repeats lie past the end of the remainder, so they are
 never counted as consumed: the committed history holds each sample exactly once.
+
+Given a ``batch_size`` (the Lightning integration does), ``len()`` describes the whole
+epoch at the current world size, ``ceil(N / (W * batch_size))`` batches, of which
+``batches_before_pass()`` lie behind the current pass: a training loop that counts batches
+per epoch keeps counting from there after a reset and ends the epoch on time.
 """
 
 from __future__ import annotations
@@ -25,9 +30,15 @@ from lightning_elastic.worker import ElasticWorker
 
 class ElasticSampler(Sampler[int]):
     def __init__(
-        self, dataset: Sized, shuffle: bool = True, seed: int = 0, worker: ElasticWorker | None = None
+        self,
+        dataset: Sized,
+        shuffle: bool = True,
+        seed: int = 0,
+        worker: ElasticWorker | None = None,
+        batch_size: int | None = None,
     ) -> None:
         self.dataset_size = len(dataset)
+        self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self._worker = worker
@@ -82,7 +93,16 @@ class ElasticSampler(Sampler[int]):
     def __len__(self) -> int:
         left = self.dataset_size - self.consumed
         world = self._world()[1]
-        return -(-left // world) if left > 0 else 0
+        per_rank = -(-left // world) if left > 0 else 0
+        if self.batch_size is None:
+            return per_rank
+        return self.batches_before_pass() * self.batch_size + per_rank
+
+    def batches_before_pass(self) -> int:
+        """Batches of this epoch behind the current pass, counted at the current world size."""
+        if self.batch_size is None:
+            raise ValueError("batches_before_pass() needs the sampler's batch_size")
+        return epoch_batches_done(self.dataset_size, self.consumed, self._world()[1], self.batch_size)
 
     def _share(self) -> list[int]:
         rank, world = self._world()
@@ -112,3 +132,15 @@ class ElasticSampler(Sampler[int]):
             return 0, 1
         a = worker.assignment
         return a.rank, a.size
+
+
+def epoch_batches_done(dataset_size: int, consumed: int, world: int, batch_size: int) -> int:
+    """Batches of an epoch done once ``consumed`` samples are, counted at world size ``world``.
+
+    Chosen so that done + what the remaining samples need = ceil(N / (W * B)): the epoch
+    keeps its length in batches at the current world size, whatever world sizes came before.
+    """
+    full = -(-dataset_size // (world * batch_size))
+    left = max(0, dataset_size - consumed)
+    left_per_rank = -(-left // world)
+    return full - (-(-left_per_rank // batch_size))

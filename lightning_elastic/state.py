@@ -34,13 +34,13 @@ def to_host(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def broadcast_object(value: Any, worker: ElasticWorker) -> Any:
-    """Rank 0's ``value`` on every rank (tensors travel on CPU, pickled)."""
+def broadcast_object(value: Any, worker: ElasticWorker, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` on every rank (tensors travel on CPU, pickled)."""
     if worker.assignment.size == 1:
         return value
-    box = [to_host(value) if worker.assignment.rank == 0 else None]
+    box = [to_host(value) if worker.assignment.rank == src else None]
     device = worker.device if worker.backend == "nccl" else None
-    dist.broadcast_object_list(box, src=0, device=device)
+    dist.broadcast_object_list(box, src=src, device=device)
     return box[0]
 
 

@@ -77,8 +77,11 @@ class WorkerSettings:
 
 
 class ElasticWorker:
-    def __init__(self, settings: WorkerSettings | None) -> None:
+    def __init__(self, settings: WorkerSettings | None, use_cuda: bool | None = None) -> None:
         self.settings = settings
+        # None: NCCL on cuda:LOCAL_RANK when CUDA is available. False: gloo on the CPU even
+        # on a GPU machine (a Lightning Trainer with accelerator="cpu").
+        self.use_cuda = use_cuda
         self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
         self._store: dist.TCPStore | None = None
         self._assignment: p.Assignment | None = None
@@ -90,8 +93,8 @@ class ElasticWorker:
         self._backend: BackendChoice | None = None
 
     @classmethod
-    def from_environment(cls) -> ElasticWorker:
-        return cls(WorkerSettings.from_environment(os.environ))
+    def from_environment(cls, use_cuda: bool | None = None) -> ElasticWorker:
+        return cls(WorkerSettings.from_environment(os.environ), use_cuda)
 
     @property
     def elastic(self) -> bool:
@@ -146,7 +149,7 @@ class ElasticWorker:
     def _form_group(self) -> None:
         a = self._assignment
         assert a is not None
-        self._backend = choose_backend(a.local_rank)
+        self._backend = choose_backend(a.local_rank, self.use_cuda)
         if self.settings is None:
             store: dist.Store = dist.HashStore()
             timeout = datetime.timedelta(seconds=60)

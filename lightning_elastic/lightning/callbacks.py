@@ -1,0 +1,154 @@
+"""``ElasticCallback`` (commits and host checks) and ``ScaleLearningRate`` (a reset hook).
+
+Any callback, and the LightningModule, may define a reset hook; the strategy calls it on
+every rank of the new world once the state is restored, before training resumes:
+
+    def on_elastic_reset(self, trainer, pl_module, old_world_size, new_world_size): ...
+    # LightningModule: def on_elastic_reset(self, old_world_size, new_world_size): ...
+
+``old_world_size`` is the world size of the state being resumed (a joiner gets it too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lightning_elastic.errors import HostsUpdatedInterrupt
+
+# Scaled with the learning rate: param-group keys and scheduler attributes that hold one.
+_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+_SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
+
+
+class ElasticCallback(Callback):
+    """Commit the training state every ``commit_every_n_batches`` batches, check for host
+    changes every ``check_every_n_batches`` (both at a batch end, on every rank alike).
+
+    A check that finds a change commits the live state first, so the new world resumes
+    exactly where the old one stopped. With gradient accumulation, commits and checks wait
+    for the batch that steps the optimizer. When a trainer has several ``ElasticCallback``
+    instances, the first one of exactly this class (else the first subclass) does the
+    committing; the others only receive ``on_elastic_reset``.
+    """
+
+    def __init__(self, commit_every_n_batches: int = 1, check_every_n_batches: int = 1) -> None:
+        for name, value in (("commit_every_n_batches", commit_every_n_batches),
+                            ("check_every_n_batches", check_every_n_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ElasticCallback: {name} must be a positive integer, got {value!r}")
+        self.commit_every_n_batches = commit_every_n_batches
+        self.check_every_n_batches = check_every_n_batches
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            commit_every_n_batches=self.commit_every_n_batches, check_every_n_batches=self.check_every_n_batches
+        )
+
+    def _is_committer(self, trainer: pl.Trainer) -> bool:
+        return _committer(trainer) is self
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._is_committer(trainer):
+            # Shown in the progress bar (rank 0); not sent to loggers.
+            pl_module.log("world_size", float(trainer.world_size), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        strategy = trainer.strategy
+        if not hasattr(strategy, "take_commit") or not self._is_committer(trainer):
+            return
+        strategy.record_batch(batch_idx)
+        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0 and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return  # mid-accumulation: gradients not yet applied are not part of any state
+        committed = False
+        if (batch_idx + 1) % self.commit_every_n_batches == 0:
+            strategy.take_commit(trainer)
+            committed = True
+        if (batch_idx + 1) % self.check_every_n_batches == 0:
+            try:
+                strategy.worker.check_host_updates()
+            except HostsUpdatedInterrupt:
+                if not committed:
+                    strategy.take_commit(trainer)
+                raise
+
+    def on_elastic_reset(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_world_size: int, new_world_size: int
+    ) -> None:
+        """Called on every rank after a reset, once the state is restored. Override to react."""
+
+
+class ScaleLearningRate(ElasticCallback):
+    """Linear scaling: every optimizer's LR = configured LR x world size / ``base_world_size``.
+
+    ``base_world_size`` defaults to the world size at the start of ``fit``. Scaling is a
+    multiplication of the current value (and of the schedulers' base values), so LR
+    schedulers keep working on top of it instead of being overwritten or overwriting it.
+    """
+
+    def __init__(self, base_world_size: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if base_world_size is not None and (
+            isinstance(base_world_size, bool) or not isinstance(base_world_size, int) or base_world_size < 1
+        ):
+            raise ValueError(f"ScaleLearningRate: base_world_size must be a positive integer, got {base_world_size!r}")
+        self.base_world_size = base_world_size
+        self._started = False  # has the start-of-fit scaling been applied (here or in a commit)?
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(base_world_size=self.base_world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"started": self._started}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._started = bool(state_dict.get("started", False))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._started:
+            return  # resumed: the committed LRs already carry the scaling; resets rescale them
+        self._started = True
+        if self.base_world_size is not None and self.base_world_size != trainer.world_size:
+            scale_learning_rates(trainer, trainer.world_size / self.base_world_size)
+
+    def on_elastic_reset(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_world_size: int, new_world_size: int
+    ) -> None:
+        if old_world_size != new_world_size:
+            scale_learning_rates(trainer, new_world_size / old_world_size)
+
+
+def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
+    """Multiply every LR the optimizers and their schedulers hold by ``factor``."""
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            for key in _GROUP_LR_KEYS:
+                if isinstance(group.get(key), (int, float)):
+                    group[key] = group[key] * factor
+    for config in trainer.lr_scheduler_configs:
+        scheduler = config.scheduler
+        for attribute in _SCHEDULER_LR_ATTRIBUTES:
+            values = getattr(scheduler, attribute, None)
+            if isinstance(values, list) and all(isinstance(v, (int, float)) for v in values):
+                setattr(scheduler, attribute, [v * factor for v in values])
+
+
+def _committer(trainer: pl.Trainer) -> ElasticCallback | None:
+    candidates = [cb for cb in trainer.callbacks if isinstance(cb, ElasticCallback)]
+    exact = [cb for cb in candidates if type(cb) is ElasticCallback]
+    return (exact or candidates or [None])[0]
+
+
+def ensure_elastic_callback(trainer: pl.Trainer) -> ElasticCallback:
+    """The trainer's committing ``ElasticCallback``; one with defaults is added if none."""
+    committer = _committer(trainer)
+    if committer is None:
+        committer = ElasticCallback()
+        trainer.callbacks.append(committer)
+    return committer

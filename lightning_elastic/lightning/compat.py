@@ -1,0 +1,113 @@
+"""Every use of a private Lightning name, in one place.
+
+The elastic strategy needs a few of Lightning's internals (a launcher of its own, the
+full checkpoint dict, the fit entry point). They are private APIs and may change in any
+release, so ``pyproject.toml`` pins the supported range (``lightning>=2.6,<2.7``) and a
+Lightning upgrade is checked and fixed here. Everything else in ``lightning_elastic``
+uses public Lightning APIs only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
+from lightning.pytorch.utilities.data import _update_dataloader
+
+__all__ = [
+    "Launcher",
+    "batch_progress",
+    "collect_rng_states",
+    "dump_checkpoint",
+    "forget_dataloaders",
+    "is_fit_function",
+    "logger_version",
+    "prepare_to_fit_again",
+    "replace_sampler",
+    "set_logger_version",
+    "set_rng_states",
+    "silence_sigterm_broadcast",
+]
+
+# Lightning's abstract launcher: ``launch(function, *args, trainer=..., **kwargs)`` and ``kill``.
+Launcher = _Launcher
+
+
+def is_fit_function(function: Callable[..., Any], trainer: pl.Trainer | None) -> bool:
+    """Is ``function`` the trainer's fit entry point (the only stage we retry)?"""
+    return trainer is not None and getattr(function, "__func__", None) is type(trainer)._fit_impl
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The full checkpoint dict: model, optimizers, schedulers, loops, callbacks (live tensors)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def batch_progress(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The training epoch loop's batch progress inside a checkpoint dict (mutable), if any."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+
+
+def prepare_to_fit_again(trainer: pl.Trainer) -> None:
+    """Undo what an interrupted ``_fit_impl`` left behind so the same trainer can fit again.
+
+    Lightning's own error path (``_interrupt``) would also finalise loggers as failed and
+    call ``on_exception`` hooks; a reset is not the end of the run, so only the teardown
+    that releases the model, data fetchers and signal handlers is done.
+    """
+    trainer._teardown()
+    forget_dataloaders(trainer)
+    trainer.should_stop = False
+    trainer.state.status = TrainerStatus.RUNNING
+    trainer.state.stage = RunningStage.TRAINING
+
+
+def forget_dataloaders(trainer: pl.Trainer) -> None:
+    """Make the next fit build its data loaders anew (their samplers know the world size)."""
+    trainer.fit_loop._combined_loader = None
+    trainer.fit_loop._data_fetcher = None
+    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+
+
+def silence_sigterm_broadcast(trainer: pl.Trainer, local_check: Callable[[], None]) -> None:
+    """Replace the per-step SIGTERM broadcast (Lightning >= 2.6) with a local check.
+
+    The broadcast is a collective on every step: it costs a round trip and, on a preempted
+    or dead peer, hangs or fails. Here a SIGTERM ends only the worker that received it; the
+    driver sees it leave and the others re-form.
+    """
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = local_check
+
+
+def ignore_mid_epoch_resume_warning() -> None:
+    """Lightning warns that a mid-epoch resume may repeat data; the elastic sampler ensures it does not."""
+    warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")
+
+
+def replace_sampler(dataloader: Any, sampler: Any) -> Any:
+    """A copy of the user's training ``dataloader`` (same class and arguments) with ``sampler``."""
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
+def collect_rng_states() -> dict[str, Any]:
+    return _collect_rng_states(include_cuda=True)
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    _set_rng_states(states)
+
+
+def logger_version(logger: Any) -> Any:
+    """The version a logger has already settled on, without making it pick one."""
+    return getattr(logger, "_version", None)
+
+
+def set_logger_version(logger: Any, version: Any) -> None:
+    """Pin a logger's version so that a new rank 0 keeps writing the same run."""
+    if hasattr(logger, "_version") and version is not None:
+        logger._version = version

@@ -1,0 +1,273 @@
+"""``ElasticStrategy`` (``strategy="elastic_hvd"``): DDP whose world is re-formed in-process.
+
+Rank and world size come from the driver's rendezvous and change at every reset. The
+process group belongs to the worker (``lightning_elastic.worker``), not to Lightning: the
+strategy never calls ``init_process_group``. ``ElasticFitLauncher`` runs ``fit`` again in
+the same process after a reset; this class supplies what that needs: the in-memory commit,
+a checkpoint path that means "the agreed commit", the elastic training sampler and the
+reset hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+import lightning.pytorch as pl
+from lightning_elastic import api
+from lightning_elastic.lightning import compat
+from lightning_elastic.lightning.commit import (
+    COMMIT_MARKER,
+    Commit,
+    RestorePlan,
+    SamplerPosition,
+    agree_on_restore,
+    checkpoint_for_lightning,
+    receive_commit,
+    take_commit,
+)
+from lightning_elastic.sampler import ElasticSampler
+from lightning_elastic.worker import ElasticWorker
+
+log = logging.getLogger(__name__)
+
+STRATEGY_NAME = "elastic_hvd"
+
+
+class ElasticEnvironment(ClusterEnvironment):
+    """Lightning's view of the current round: every answer comes from the worker's assignment."""
+
+    def __init__(self, strategy: ElasticStrategy) -> None:
+        self._strategy = strategy
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True  # lightning-elastic launch starts the workers
+
+    @property
+    def main_address(self) -> str:
+        return self._strategy.worker.assignment.store_host or "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return self._strategy.worker.assignment.store_port
+
+    @staticmethod
+    def detect() -> bool:
+        return False  # chosen through the strategy, never by environment detection
+
+    def world_size(self) -> int:
+        return self._strategy.worker.assignment.size
+
+    def set_world_size(self, size: int) -> None:
+        pass  # decided by the rendezvous
+
+    def global_rank(self) -> int:
+        return self._strategy.worker.assignment.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # decided by the rendezvous
+
+    def local_rank(self) -> int:
+        return self._strategy.worker.assignment.local_rank
+
+    def node_rank(self) -> int:
+        return self._strategy.worker.assignment.cross_rank
+
+
+class ElasticStrategy(DDPStrategy):
+    """DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo)."""
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        worker: ElasticWorker | None = None,
+        timeout: timedelta | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=ElasticEnvironment(self),
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            start_method="popen",
+            **({"timeout": timeout} if timeout is not None else {}),
+            **ddp_kwargs,
+        )
+        self._worker = worker
+        compat.ignore_mid_epoch_resume_warning()
+        self.commit: Commit | None = None
+        self._restore: RestorePlan | None = None
+        self._resumed_world_size: int | None = None  # set when a fit resumed from a commit
+        self._sampler: ElasticSampler | None = None
+        self._pending_sampler: SamplerPosition | None = None
+
+    # ----- the world ------------------------------------------------------------------
+
+    @property
+    def worker(self) -> ElasticWorker:
+        """The process's elastic worker; the first use joins the job (rendezvous)."""
+        if self._worker is None:
+            self._worker = api.init(use_cuda=self._wants_cuda())
+        return self._worker
+
+    def _wants_cuda(self) -> bool:
+        devices = self.parallel_devices or []
+        return bool(devices) and devices[0].type == "cuda"
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._wants_cuda():
+            return torch.device("cuda", self.worker.assignment.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.worker.assignment.size, "rank": self.worker.assignment.rank}
+
+    def _configure_launcher(self) -> None:
+        from lightning_elastic.lightning.fit_launcher import ElasticFitLauncher
+
+        self._launcher = ElasticFitLauncher(self)
+
+    def setup_distributed(self) -> None:
+        # The worker formed this round's group at rendezvous; only Lightning's view is updated.
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self.worker.backend
+
+    def _get_process_group_backend(self) -> str:
+        return self.worker.backend
+
+    # ----- commits --------------------------------------------------------------------
+
+    def take_commit(self, trainer: pl.Trainer) -> None:
+        """Copy the full training state into host memory (called at a batch end)."""
+        position = None
+        if self._sampler is not None and self._sampler.batch_size is not None:
+            position = SamplerPosition(
+                epoch=self._sampler.epoch,
+                consumed=self._sampler.consumed_total(),
+                dataset_size=self._sampler.dataset_size,
+                batch_size=self._sampler.batch_size,
+            )
+        self.commit = take_commit(
+            compat.dump_checkpoint(trainer), self.worker.assignment.size, trainer.global_step, position
+        )
+
+    def agree_on_restore(self, trainer: pl.Trainer) -> bool:
+        """Collective, before every fit attempt: is there a commit to resume from?"""
+        versions = [logger.version for logger in trainer.loggers] if self._is_source_candidate() else []
+        self._restore = agree_on_restore(self.worker, self.commit, versions)
+        for logger, version in zip(trainer.loggers, self._restore.logger_versions):
+            compat.set_logger_version(logger, version)
+        return self._restore.source_rank is not None
+
+    def _is_source_candidate(self) -> bool:
+        # Only a rank that could be the source asks its loggers for a version: a version
+        # asked of a logger that never logged would be a new one.
+        return self.commit is not None or self.worker.assignment.rank == 0
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if checkpoint_path != COMMIT_MARKER:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self._restore is not None and self._restore.source_rank is not None
+        commit = receive_commit(self.worker, self.commit, self._restore.source_rank)
+        self.commit = commit  # joiners now hold the same commit as everyone else
+        self._resumed_world_size = commit.world_size
+        self._pending_sampler = commit.sampler
+        return checkpoint_for_lightning(commit, self.worker.assignment.size)
+
+    # ----- data -----------------------------------------------------------------------
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader
+        order = _sampling_order(dataloader)
+        if order is None:
+            rank_zero_warn(
+                "lightning-elastic: the training DataLoader uses a custom sampler or batch sampler; "
+                "samples may be repeated or skipped across resets (use a plain sampler and batch_size "
+                "for exactly-once epochs)."
+            )
+            return dataloader
+        shuffle, seed = order
+        sampler = ElasticSampler(
+            dataloader.dataset, shuffle=shuffle, seed=seed, worker=self.worker, batch_size=dataloader.batch_size
+        )
+        if self._pending_sampler is not None:
+            sampler.load_state_dict({"epoch": self._pending_sampler.epoch, "consumed": self._pending_sampler.consumed})
+            self._pending_sampler = None
+        self._sampler = sampler
+        return compat.replace_sampler(dataloader, sampler)
+
+    def record_batch(self, batch_idx: int) -> None:
+        """Count batch ``batch_idx`` of the epoch as processed by every rank."""
+        sampler = self._sampler
+        if sampler is not None and sampler.batch_size is not None:
+            sampler.record_batch(batch_idx - sampler.batches_before_pass(), sampler.batch_size)
+
+    def real_samples_in_batch(self, batch_idx: int, batch_len: int) -> int:
+        """How many of batch ``batch_idx``'s ``batch_len`` samples are not end-of-epoch padding.
+
+        When the last step of an epoch has fewer samples than ranks, some ranks repeat one
+        sample so that all run the same number of steps; code that counts samples exactly
+        (or weighs them) can leave the repeats out with this.
+        """
+        sampler = self._sampler
+        if sampler is None or sampler.batch_size is None:
+            return batch_len
+        pass_batch = batch_idx - sampler.batches_before_pass()
+        return min(batch_len, sampler.real_in_batch(pass_batch, sampler.batch_size))
+
+    # ----- hooks ----------------------------------------------------------------------
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        resumed_from, self._resumed_world_size = self._resumed_world_size, None
+        if resumed_from is not None:
+            _call_reset_hooks(trainer, resumed_from, self.worker.assignment.size)
+        if self.commit is None:
+            # A failure before the first regular commit must have something to go back to.
+            self.take_commit(trainer)
+
+
+def _sampling_order(dataloader: DataLoader) -> tuple[bool, int] | None:
+    """(shuffle, seed) of a training DataLoader the elastic sampler can stand in for."""
+    if isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_size is None:
+        return None
+    sampler = dataloader.sampler
+    if isinstance(sampler, DistributedSampler) and type(sampler) is DistributedSampler:
+        return bool(sampler.shuffle), int(sampler.seed)
+    if isinstance(sampler, RandomSampler):
+        return True, 0
+    if isinstance(sampler, SequentialSampler):
+        return False, 0
+    return None
+
+
+def _call_reset_hooks(trainer: pl.Trainer, old_world_size: int, new_world_size: int) -> None:
+    """``on_elastic_reset`` on every callback that has it, then on the LightningModule."""
+    for callback in trainer.callbacks:
+        hook = getattr(callback, "on_elastic_reset", None)
+        if callable(hook):
+            hook(trainer, trainer.lightning_module, old_world_size, new_world_size)
+    hook = getattr(trainer.lightning_module, "on_elastic_reset", None)
+    if callable(hook):
+        hook(old_world_size, new_world_size)

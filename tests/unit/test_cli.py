@@ -1,0 +1,194 @@
+"""launcher/cli.py: argv -> LaunchConfig; invalid input exits 2 with one error line.
+
+Every argv given to ``main`` here is invalid, so ``launch`` is never reached; valid argv
+are checked through ``config_from_args`` only, which builds the config without launching.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from launcher import cli
+from launcher.errors import ConfigError
+from launcher.hosts import HostSlots
+
+
+@pytest.fixture(autouse=True)
+def keep_root_logging():
+    # main() calls logging.basicConfig(); leave the root logger as it was.
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    # A safety net, not a mock of behaviour under test: if validation wrongly let argv
+    # through, the test fails instead of starting real workers.
+    def refuse(config, *args, **kwargs):
+        raise AssertionError(f"launch() reached with {config}")
+
+    monkeypatch.setattr(cli, "launch", refuse)
+
+
+def parse(*argv: str):
+    return cli.config_from_args(cli.build_parser().parse_args(["launch", *argv]))
+
+
+def run_main(capsys, *argv: str) -> tuple[int, list[str]]:
+    try:
+        code = cli.main(["launch", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return code, captured.err.strip().splitlines()
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "discover.sh"
+    path.write_text("#!/bin/sh\necho localhost:1\n")
+    path.chmod(0o755)
+    return path
+
+
+# ----- valid argv ----------------------------------------------------------------------
+
+
+def test_hosts_give_np_and_bounds_defaults():
+    c = parse("-H", "127.0.0.1:2,127.0.0.2:1", "python", "train.py", "--lr", "0.1")
+    assert c.hosts == (HostSlots("127.0.0.1", 2), HostSlots("127.0.0.2", 1))
+    assert (c.np, c.min_np, c.max_np) == (3, 3, 3)
+    assert c.command == ("python", "train.py", "--lr", "0.1")
+    assert c.discovery_script is None
+
+
+def test_no_host_source_means_localhost_with_np_slots():
+    c = parse("-np", "3", "python", "t.py")
+    assert c.hosts == (HostSlots("localhost", 3),)
+    assert c.np == 3
+
+
+def test_no_host_source_and_no_np_means_one_local_worker():
+    c = parse("python", "t.py")
+    assert c.hosts == (HostSlots("localhost", 1),) and c.np == 1
+
+
+def test_every_option_reaches_the_config(tmp_path, script):
+    c = parse(
+        "-np", "2", "--min-np", "1", "--max-np", "4", "--host-discovery-script", str(script),
+        "--slots-per-host", "2", "--elastic-timeout", "30", "--reset-limit", "3",
+        "--blacklist-cooldown-range", "1", "8", "--discovery-interval", "0.5",
+        "--log-dir", str(tmp_path / "logs"), "--verbose", "python", "t.py",
+    )
+    assert (c.np, c.min_np, c.max_np) == (2, 1, 4)
+    assert c.discovery_script == script.absolute() and c.hosts is None
+    assert c.slots_per_host == 2 and c.elastic_timeout == 30.0 and c.reset_limit == 3
+    assert c.blacklist_cooldown == (1.0, 8.0) and c.discovery_interval == 0.5
+    assert c.log_dir == tmp_path / "logs" and c.verbose is True
+
+
+def test_double_dash_before_the_command_is_dropped():
+    assert parse("-np", "1", "--", "python", "-u", "t.py").command == ("python", "-u", "t.py")
+
+
+def test_slots_per_host_fills_in_missing_host_slot_counts():
+    c = parse("-H", "a,b:3", "--slots-per-host", "2", "python", "t.py")
+    assert c.hosts == (HostSlots("a", 2), HostSlots("b", 3))
+    assert c.np == 5
+
+
+def test_relative_discovery_script_is_made_absolute(script, monkeypatch):
+    monkeypatch.chdir(script.parent)
+    assert parse("-np", "1", "--host-discovery-script", script.name, "python").discovery_script == script
+
+
+# ----- invalid argv: ConfigError, one line, status 2 -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-np", "2", "--min-np", "3", "python", "t.py"], "--min-np: must be between 1 and -np (2), got 3"),
+        (["-np", "2", "--max-np", "1", "python", "t.py"], "--max-np: must be at least -np (2), got 1"),
+        (["-np", "0", "python", "t.py"], "-np: must be at least 1, got 0"),
+        (["-np", "1", "--elastic-timeout", "-1", "python"], "--elastic-timeout: must be positive, got -1.0"),
+        (["-np", "1", "--discovery-interval", "0", "python"], "--discovery-interval: must be positive, got 0.0"),
+        (["-np", "1", "--reset-limit", "-2", "python"], "--reset-limit: must be 0 or more, got -2"),
+        (["-np", "1", "--blacklist-cooldown-range", "10", "5", "python"],
+         "--blacklist-cooldown-range: expected 0 <= MIN <= MAX, got 10.0 5.0"),
+        (["-np", "1", "--blacklist-cooldown-range", "-1", "5", "python"],
+         "--blacklist-cooldown-range: expected 0 <= MIN <= MAX, got -1.0 5.0"),
+        (["-np", "1"], "COMMAND: missing, expected the training command, e.g. python train.py"),
+        (["-np", "1", "--"], "COMMAND: missing, expected the training command, e.g. python train.py"),
+        (["-H", "a:1,a:2", "python"], "-H/--hosts: host 'a' is listed twice"),
+        (["-H", "a:0", "python"], "-H/--hosts: slot count in 'a:0' must be at least 1, got 0"),
+        (["-H", "a", "python"],
+         "-H/--hosts: host entry 'a' has no slot count; write HOST:SLOTS or pass --slots-per-host"),
+        (["-H", ",", "python"], "-H/--hosts: empty host list ',', expected HOST:SLOTS[,HOST:SLOTS...]"),
+        (["-H", "a:1", "--slots-per-host", "0", "python"], "--slots-per-host: must be at least 1, got 0"),
+    ],
+)
+def test_invalid_values_exit_2_with_one_line(capsys, no_launch, argv, message):
+    code, lines = run_main(capsys, *argv)
+    assert code == 2
+    assert lines == [f"lightning-elastic: error: {message}"]
+
+
+def test_discovery_script_requires_np(capsys, no_launch, script):
+    code, lines = run_main(capsys, "--host-discovery-script", str(script), "python")
+    assert code == 2
+    assert lines == ["lightning-elastic: error: -np: required with --host-discovery-script"]
+
+
+def test_non_executable_discovery_script_is_refused(capsys, no_launch, tmp_path):
+    path = tmp_path / "hosts.txt"
+    path.write_text("localhost:1\n")
+    code, lines = run_main(capsys, "-np", "1", "--host-discovery-script", str(path), "python")
+    assert code == 2
+    assert lines == [f"lightning-elastic: error: --host-discovery-script: {path} is not an executable file"]
+
+
+def test_missing_discovery_script_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"--host-discovery-script: .*nope.sh is not an executable file"):
+        parse("-np", "1", "--host-discovery-script", str(tmp_path / "nope.sh"), "python")
+
+
+# ----- invalid argv caught by argparse: status 2, the last line names the option --------
+# (argparse prints its usage block first; the error itself is the final line)
+
+
+def test_both_host_sources_are_refused(capsys, no_launch, script):
+    code, lines = run_main(capsys, "-H", "a:1", "--host-discovery-script", str(script), "python")
+    assert code == 2
+    assert lines[-1] == (
+        "lightning-elastic launch: error: argument --host-discovery-script: not allowed with argument -H/--hosts"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["-np", "two", "python"], "argument -np/--num-proc: invalid int value: 'two'"),
+        (["-np", "1", "--elastic-timeout", "soon", "python"], "argument --elastic-timeout: invalid float value: 'soon'"),
+        (["-np", "1", "--reset-limit", "1.5", "python"], "argument --reset-limit: invalid int value: '1.5'"),
+        (["-np", "1", "--blacklist-cooldown-range", "1"], "argument --blacklist-cooldown-range: expected 2 arguments"),
+    ],
+)
+def test_malformed_numbers_are_refused_naming_the_option(capsys, no_launch, argv, option):
+    code, lines = run_main(capsys, *argv)
+    assert code == 2
+    assert lines[-1] == f"lightning-elastic launch: error: {option}"
+
+
+def test_missing_verb_is_refused(capsys, no_launch):
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+    assert "required: verb" in capsys.readouterr().err

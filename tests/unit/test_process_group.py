@@ -1,0 +1,175 @@
+"""lightning_elastic/process_group.py: backend choice, NCCL environment, a real gloo round group."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_elastic.process_group import (
+    BackendChoice,
+    choose_backend,
+    destroy_round_group,
+    init_round_group,
+    nccl_environment,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+GLOO = BackendChoice("gloo", torch.device("cpu"))
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+# ----- choose_backend ------------------------------------------------------------------
+# There is no GPU here, so CUDA availability is monkeypatched to exercise the NCCL branch.
+
+
+def test_nccl_on_the_local_rank_device_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert choose_backend(3) == BackendChoice("nccl", torch.device("cuda", 3))
+
+
+def test_gloo_on_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert choose_backend(3) == GLOO
+
+
+def test_explicit_cuda_flag_overrides_detection(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert choose_backend(0, cuda_available=False) == GLOO
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert choose_backend(1, cuda_available=True).backend == "nccl"
+
+
+def test_this_machine_without_gpu_gets_gloo():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert choose_backend(0) == GLOO
+
+
+# ----- nccl_environment ----------------------------------------------------------------
+
+
+def test_nccl_async_error_handling_is_set_to_abort_the_communicator_only():
+    assert nccl_environment({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+@pytest.mark.parametrize("value", ["3", "0", ""])
+def test_users_own_nccl_async_error_handling_is_kept(value):
+    assert nccl_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": value}) == {}
+
+
+def test_nccl_environment_does_not_modify_its_argument():
+    env = {"PATH": "/bin"}
+    nccl_environment(env)
+    assert env == {"PATH": "/bin"}
+
+
+# ----- a real gloo group in a world of one ---------------------------------------------
+
+
+@pytest.fixture
+def clean_world() -> Iterator[None]:
+    assert not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_gloo_round_group_forms_works_and_is_destroyed(clean_world):
+    init_round_group(dist.HashStore(), 1, 0, 1, GLOO, TIMEOUT)
+    assert dist.is_initialized()
+    assert dist.get_backend() == "gloo"
+    assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+    t = torch.tensor([2.0, 3.0])
+    dist.all_reduce(t)
+    assert t.tolist() == [2.0, 3.0]
+    destroy_round_group()
+    assert not dist.is_initialized()
+
+
+class RecordingStore(dist.Store):
+    """A real c10d store (a HashStore inside) that records every key it is asked about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = dist.HashStore()
+        self.keys: list[str] = []
+
+    def set(self, key, value):
+        self.keys.append(key)
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        self.keys.append(key)
+        return self.inner.get(key)
+
+    def add(self, key, value):
+        self.keys.append(key)
+        return self.inner.add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        self.keys.append(key)
+        return self.inner.compare_set(key, expected, desired)
+
+    def wait(self, keys, *args):
+        self.keys.extend(keys)
+        return self.inner.wait(keys, *args)
+
+    def check(self, keys):
+        self.keys.extend(keys)
+        return self.inner.check(keys)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
+
+
+def test_every_store_key_of_a_round_is_under_that_rounds_prefix(clean_world):
+    store = RecordingStore()
+    init_round_group(store, 7, 0, 1, GLOO, TIMEOUT)
+    destroy_round_group()
+    assert store.keys, "the group did not use the store at all"
+    assert all(k.startswith("lightning_elastic/round/7/") for k in store.keys), store.keys
+
+
+def test_consecutive_rounds_can_be_formed_on_one_store(clean_world):
+    store = dist.HashStore()
+    for number in (1, 2, 3):
+        init_round_group(store, number, 0, 1, GLOO, TIMEOUT)
+        t = torch.tensor([float(number)])
+        dist.all_reduce(t)
+        assert t.item() == number
+        destroy_round_group(abort=(number == 2))
+        assert not dist.is_initialized()
+
+
+def test_abort_leaves_no_group_behind(clean_world):
+    init_round_group(dist.HashStore(), 1, 0, 1, GLOO, TIMEOUT)
+    destroy_round_group(abort=True)
+    assert not dist.is_initialized()
+
+
+def test_destroy_without_a_group_is_a_no_op(clean_world):
+    destroy_round_group()
+    destroy_round_group(abort=True)
+    assert not dist.is_initialized()
+
+
+def test_round_group_on_a_tcp_store(clean_world):
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False,
+                          timeout=TIMEOUT, use_libuv=True)
+    init_round_group(store, 1, 0, 1, GLOO, TIMEOUT)
+    assert dist.get_world_size() == 1
+    destroy_round_group()
+    assert not dist.is_initialized()
