@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from launcher.errors import ConfigError
@@ -60,14 +61,20 @@ class LaunchConfig:
             raise ConfigError(f"--max-np: must be at least -np ({self.np}), got {self.max_np}")
         if (self.hosts is None) == (self.discovery_script is None):
             raise ConfigError("give exactly one host source: -H/--hosts or --host-discovery-script")
-        if self.elastic_timeout <= 0:
+        # Written as "not > 0" so NaN fails too (every comparison with NaN is False); inf is
+        # allowed: it means wait for slots for ever.
+        if not self.elastic_timeout > 0:
             raise ConfigError(f"--elastic-timeout: must be positive, got {self.elastic_timeout}")
         if self.reset_limit is not None and self.reset_limit < 0:
             raise ConfigError(f"--reset-limit: must be 0 or more, got {self.reset_limit}")
+        if not math.isfinite(self.discovery_interval):  # NaN and inf pass "<= 0"; inf breaks Event.wait
+            raise ConfigError(f"--discovery-interval: must be a finite number, got {self.discovery_interval}")
         if self.discovery_interval <= 0:
             raise ConfigError(f"--discovery-interval: must be positive, got {self.discovery_interval}")
         if self.blacklist_cooldown is not None:
             low, high = self.blacklist_cooldown
+            if not (math.isfinite(low) and math.isfinite(high)):  # NaN passes the checks below
+                raise ConfigError(f"--blacklist-cooldown-range: expected finite numbers, got {low} {high}")
             if low < 0 or high < low:
                 raise ConfigError(
                     f"--blacklist-cooldown-range: expected 0 <= MIN <= MAX, got {low} {high}"

@@ -152,6 +152,11 @@ class Registry:
             record = self._get(request.worker_id)
             now = self._clock()
             record.last_heartbeat = now
+            if self._assigned_after(record, request.after_round) and not record.leave:
+                # A repeat of the request that got this assignment (the client retries when
+                # the reply is lost): answer it again rather than turn a member into a
+                # waiting worker that no round will ever pick up again.
+                return RendezvousReply(RendezvousStatus.ASSIGNED, record.assignment)
             if record.arrived_after_round != request.after_round or record.state != WorkerState.WAITING:
                 record.waiting_since = now
             record.arrived_after_round = request.after_round
@@ -160,13 +165,18 @@ class Registry:
             while True:
                 if record.leave:
                     return RendezvousReply(RendezvousStatus.EXIT)
-                a = record.assignment
-                if record.state == WorkerState.MEMBER and a and a.round > request.after_round:
-                    return RendezvousReply(RendezvousStatus.ASSIGNED, a)
+                if self._assigned_after(record, request.after_round):
+                    return RendezvousReply(RendezvousStatus.ASSIGNED, record.assignment)
                 remaining = deadline - self._clock()
                 if remaining <= 0 or record.state.finished:
                     return RendezvousReply(RendezvousStatus.WAIT)
                 self.cond.wait(remaining)
+
+    @staticmethod
+    def _assigned_after(record: WorkerRecord, after_round: int) -> bool:
+        """Is ``record`` a member of a round newer than the last one it knows?"""
+        a = record.assignment
+        return record.state == WorkerState.MEMBER and a is not None and a.round > after_round
 
     def heartbeat(self, request: HeartbeatRequest) -> HeartbeatReply:
         deadline = self._clock() + min(request.wait_seconds, RENDEZVOUS_POLL)

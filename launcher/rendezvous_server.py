@@ -60,15 +60,12 @@ class RendezvousServer:
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 route = routes.get(self.path)
                 if route is None:
-                    return self._reply(HTTPStatus.NOT_FOUND, p.ErrorReply(f"no such path {self.path}"))
+                    return self._refuse(HTTPStatus.NOT_FOUND, p.ErrorReply(f"no such path {self.path}"))
                 if not server._authorized(self.headers.get(p.AUTH_HEADER, "")):
-                    return self._reply(HTTPStatus.UNAUTHORIZED, p.ErrorReply("missing or wrong job secret"))
-                try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                except ValueError:
-                    length = -1
-                if not 0 <= length <= MAX_BODY:
-                    return self._reply(
+                    return self._refuse(HTTPStatus.UNAUTHORIZED, p.ErrorReply("missing or wrong job secret"))
+                length = self._body_length()
+                if length is None:
+                    return self._refuse(
                         HTTPStatus.BAD_REQUEST, p.ErrorReply(f"Content-Length must be 0..{MAX_BODY}")
                     )
                 cls, call = route
@@ -81,6 +78,30 @@ class RendezvousServer:
                     return self._reply(HTTPStatus.CONFLICT, p.ErrorReply(str(err)))
                 self._reply(HTTPStatus.OK, reply)
 
+            def _body_length(self) -> int | None:
+                """The body's length, or None unless a Content-Length of 0..MAX_BODY gives it."""
+                if "Transfer-Encoding" in self.headers:
+                    return None  # a chunked body has no Content-Length: its end is unknown here
+                try:
+                    length = int(self.headers.get("Content-Length", "0"))
+                except ValueError:
+                    return None
+                return length if 0 <= length <= MAX_BODY else None
+
+            def _refuse(self, status: HTTPStatus, message: Any) -> None:
+                """Reply to a request before reading its body.
+
+                On a keep-alive connection the unread body would be parsed as the next
+                request: discard it when its length is valid, otherwise close the
+                connection (a body of unknown or excessive length is never read).
+                """
+                length = self._body_length()
+                if length is None:
+                    self.close_connection = True
+                else:
+                    self.rfile.read(length)
+                self._reply(status, message)
+
             def _reply(self, status: HTTPStatus, message: Any) -> None:
                 if status != HTTPStatus.OK:
                     server.rejected += 1
@@ -92,6 +113,8 @@ class RendezvousServer:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(body)
 

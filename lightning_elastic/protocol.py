@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from enum import Enum
 from typing import Any, TypeVar
@@ -184,10 +185,17 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             allowed = ", ".join(repr(m.value) for m in hint)
             raise ProtocolError(f"{where}: expected one of {allowed}, got {value!r}") from None
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond float's range: as unusable as inf
+            raise ProtocolError(f"{where}: expected a finite number, got an integer too large") from None
     if hint in (int, float, str, bool):
         if type(value) is not hint:
             raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        # json.loads accepts NaN and Infinity; NaN passes "< 0" (and every bound after
+        # it, e.g. a wait would have no limit), so refuse both before that check.
+        if hint is float and not math.isfinite(value):
+            raise ProtocolError(f"{where}: expected a finite number, got {value}")
         if hint in (int, float) and value < 0:
             raise ProtocolError(f"{where}: expected a non-negative number, got {value}")
         return value

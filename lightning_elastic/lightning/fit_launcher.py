@@ -75,6 +75,7 @@ class ElasticFitLauncher(compat.Launcher):
                 )
             else:
                 worker.report(p.Outcome.DONE)
+                strategy.commit = None  # a later fit of this trainer starts from its own state
                 return
             compat.prepare_to_fit_again(trainer)
             worker.reset()

@@ -71,11 +71,6 @@ def test_infinite_elastic_timeout_is_accepted():
     assert math.isinf(config(elastic_timeout=math.inf).elastic_timeout)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: NaN passes the `<= 0` / `< 0` checks (config.py:63,67,71): e.g. --elastic-timeout nan "
-    "silently disables the elastic timeout",
-)
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -88,3 +83,19 @@ def test_infinite_elastic_timeout_is_accepted():
 def test_nan_is_refused(overrides):
     with pytest.raises(ConfigError):
         config(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(elastic_timeout=math.nan), "--elastic-timeout: must be positive, got nan"),
+        (dict(discovery_interval=math.nan), "--discovery-interval: must be a finite number, got nan"),
+        (dict(discovery_interval=math.inf), "--discovery-interval: must be a finite number, got inf"),
+        (dict(blacklist_cooldown=(math.nan, 10.0)), "--blacklist-cooldown-range: expected finite numbers, got nan 10.0"),
+        (dict(blacklist_cooldown=(1.0, math.inf)), "--blacklist-cooldown-range: expected finite numbers, got 1.0 inf"),
+    ],
+)
+def test_non_finite_value_gives_one_line_naming_it(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        config(**overrides)
+    assert str(info.value) == message

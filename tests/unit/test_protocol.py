@@ -183,11 +183,6 @@ def test_to_json_refuses_non_json_values():
         p.to_json(p.ErrorReply(object()))  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: decode accepts NaN for a number field (protocol.py:191 `value < 0` is False for NaN); "
-    "a heartbeat or round-lost request with wait_seconds NaN then waits without bound in the registry",
-)
 @pytest.mark.parametrize(
     ("cls", "body"),
     [
@@ -198,3 +193,12 @@ def test_to_json_refuses_non_json_values():
 def test_nan_is_not_a_non_negative_number(cls, body):
     with pytest.raises(p.ProtocolError):
         p.decode(cls, body)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [("Infinity", "inf"), ("-Infinity", "-inf"), ("1" + "0" * 400, "an integer too large")]
+)
+def test_number_beyond_float_is_refused_naming_the_field(value, shown):
+    body = f'{{"worker_id": "w", "known_generation": 0, "wait_seconds": {value}}}'
+    with pytest.raises(p.ProtocolError, match=rf"^HeartbeatRequest.wait_seconds: expected a finite number, got {shown}$"):
+        p.decode(p.HeartbeatRequest, body)

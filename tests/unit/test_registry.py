@@ -191,11 +191,6 @@ def test_waiting_worker_is_told_to_exit_once_it_must_leave(reg, pool):
     assert fut.result(timeout=PROMPT).status == RendezvousStatus.EXIT
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a repeated rendezvous (client retry after a lost reply) of a worker already "
-    "assigned to a newer round resets it to WAITING and loses its assignment (registry.py:158)",
-)
 def test_repeated_rendezvous_of_an_assigned_worker_gets_its_assignment_again(reg):
     # The worker asked after round 0, was assigned round 1, but never saw the reply and asks
     # again (DriverClient retries on connection errors). The assignment is still newer than

@@ -293,13 +293,6 @@ def test_server_stops_listening_after_close():
         requests.post(url + p.PATH_HEARTBEAT, data=p.to_json(heartbeat("w")), headers=AUTH, timeout=TIMEOUT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: 404/401 (and bad Content-Length 400) replies leave the request body unread on a "
-    "keep-alive connection (rendezvous_server.py:62-72), so the next request on that connection "
-    "is parsed after the stale body and gets 501 instead of its answer",
-)
 @pytest.mark.parametrize(
     ("path", "headers"),
     [("/v1/nope", AUTH), (p.PATH_HEARTBEAT, {p.AUTH_HEADER: "Bearer wrong"})],
@@ -315,6 +308,31 @@ def test_rejected_request_does_not_spoil_the_next_one_on_the_connection(server, 
         first.read()
         assert first.status in (401, 404)
         conn.request("POST", p.PATH_HEARTBEAT, body=body, headers=AUTH)  # same connection
+        second = conn.getresponse()
+        second.read()
+        assert second.status == 200
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"Content-Length": str(MAX_BODY + 1)}, {"Content-Length": "abc"}, {"Transfer-Encoding": "chunked"}],
+    ids=["too-large", "not-a-number", "chunked"],
+)
+def test_body_of_unknown_length_is_left_unread_and_the_connection_closed(server, w, headers):
+    parts = urlsplit(server.url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=TIMEOUT)
+    try:
+        conn.putrequest("POST", p.PATH_HEARTBEAT, skip_accept_encoding=True)
+        for name, value in {**AUTH, **headers}.items():
+            conn.putheader(name, value)
+        conn.endheaders(b"{}")
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 400 and first.getheader("Connection") == "close"
+        # http.client opens a new connection for the next request, which is answered.
+        conn.request("POST", p.PATH_HEARTBEAT, body=p.to_json(heartbeat(w[0])), headers=AUTH)
         second = conn.getresponse()
         second.read()
         assert second.status == 200
