@@ -20,6 +20,8 @@ pytestmark = pytest.mark.integration
 
 H1, H2, H3 = "127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"
 STEADY = ["--step-delay", "0.05", "--samples", "192", "--batch-size", "8", "--commit-every", "2"]
+# For a joiner to arrive before training ends: starting Python and torch takes seconds.
+SLOW = ["--step-delay", "0.25", *STEADY[2:]]
 
 
 def discovery_args(job: Job, *extra: str) -> list[str]:
@@ -76,7 +78,7 @@ def test_worker_exception_is_reported_and_job_goes_on(job: Job) -> None:
 
 def test_added_host_joins_with_broadcast_state(job: Job) -> None:
     job.set_hosts(H1, H2)
-    job.start(discovery_args(job, "-np", "2", "--min-np", "1", "--max-np", "3"), [*STEADY, "--epochs", "4"])
+    job.start(discovery_args(job, "-np", "2", "--min-np", "1", "--max-np", "3"), [*SLOW, "--epochs", "4"])
     job.wait_rounds(1)
     job.wait_steps(3)
     job.set_hosts(H1, H2, H3)
