@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -85,7 +86,9 @@ def main() -> None:
             group["lr"] = args.lr * le.size()
 
     state.register_reset_callbacks([on_reset])
-    events.emit("start")
+    slot = le.slot_info()
+    events.emit("start", host=socket.gethostname(), local_rank=slot.local_rank, local_size=slot.local_size,
+                cross_rank=slot.cross_rank, cross_size=slot.cross_size)
 
     @le.run
     def train(state: le.TorchState) -> None:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.config import LaunchConfig
+from launcher.config import LaunchConfig, SshSettings, Timeouts
 from launcher.driver import launch
 from launcher.errors import ConfigError
 from launcher.hosts import HostSlots, count_slots, parse_host_list
@@ -43,6 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: blacklisted for the rest of the job)")
     run.add_argument("--discovery-interval", type=float, default=1.0, metavar="SECONDS",
                      help="how often to run the discovery script (default: 1)")
+    run.add_argument("--heartbeat-timeout", type=float, default=Timeouts.heartbeat_timeout, metavar="SECONDS",
+                     help="a worker silent this long (hung, stopped, or its host unreachable) is lost "
+                          f"(default: {Timeouts.heartbeat_timeout:g})")
+    remote = run.add_argument_group("multiple machines")
+    remote.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh port of the hosts (default: ssh's own)")
+    remote.add_argument("--ssh-identity-file", type=Path, metavar="PATH", help="private key for ssh")
+    remote.add_argument("--ssh-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an ssh -o option; repeatable")
+    remote.add_argument("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
+                        help="give every worker this variable (its value on the driver, or VALUE); repeatable")
+    remote.add_argument("--driver-address", metavar="ADDRESS",
+                        help="address the driver serves workers on (default: the one that routes to the hosts)")
+    remote.add_argument("--network-interface", metavar="NAME",
+                        help="serve workers on this interface's address")
     run.add_argument("--log-dir", type=Path, metavar="DIR", help="also write each worker's output to DIR")
     run.add_argument("--verbose", action="store_true", help="log the driver's decisions in detail")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
@@ -69,6 +83,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if script is not None and not os.access(script, os.X_OK):
         raise ConfigError(f"--host-discovery-script: {script} is not an executable file")
     return LaunchConfig(
+        timeouts=Timeouts(heartbeat_timeout=args.heartbeat_timeout),
+        ssh=SshSettings(
+            port=args.ssh_port,
+            identity_file=args.ssh_identity_file,
+            options=tuple(args.ssh_option),
+        ),
+        env=tuple(resolve_env(entry) for entry in args.env),
+        driver_address=args.driver_address,
+        network_interface=args.network_interface,
         command=tuple(command),
         np=np_,
         min_np=args.min_np if args.min_np is not None else np_,
@@ -83,6 +106,16 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         log_dir=args.log_dir,
         verbose=args.verbose,
     )
+
+
+def resolve_env(entry: str) -> tuple[str, str]:
+    """``NAME=VALUE`` as given; ``NAME`` takes the driver's own value, which must exist."""
+    name, sep, value = entry.partition("=")
+    if sep:
+        return name, value
+    if name not in os.environ:
+        raise ConfigError(f"-x/--env: {name} is not set in the driver's environment; write {name}=VALUE")
+    return name, os.environ[name]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

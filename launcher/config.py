@@ -34,6 +34,29 @@ class Timeouts:
 
 
 @dataclasses.dataclass(frozen=True)
+class SshSettings:
+    """How the driver reaches hosts that are not this machine (the system OpenSSH client)."""
+
+    port: int | None = None
+    identity_file: Path | None = None
+    options: tuple[str, ...] = ()  # each as ssh's -o takes it: "Name=value"
+    connect_timeout: float = 10.0
+    # Keep-alives make a client on a dead link exit (255) instead of waiting for TCP.
+    server_alive_interval: float = 5.0
+    server_alive_count: int = 3
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 1 <= self.port <= 65535:
+            raise ConfigError(f"--ssh-port: expected a port number 1..65535, got {self.port}")
+        if self.identity_file is not None and not self.identity_file.is_file():
+            raise ConfigError(f"--ssh-identity-file: {self.identity_file} is not a readable file")
+        for option in self.options:
+            name, sep, _ = option.partition("=")
+            if not sep or not name.strip() or any(c.isspace() for c in name):
+                raise ConfigError(f"--ssh-option: expected NAME=VALUE as ssh's -o takes it, got {option!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     command: tuple[str, ...]
     np: int
@@ -49,6 +72,11 @@ class LaunchConfig:
     log_dir: Path | None = None
     verbose: bool = False
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+    ssh: SshSettings = dataclasses.field(default_factory=SshSettings)
+    # -x/--env: variables every worker gets, resolved to values on the driver.
+    env: tuple[tuple[str, str], ...] = ()
+    driver_address: str | None = None  # --driver-address; None: detected from the hosts
+    network_interface: str | None = None  # --network-interface
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -71,6 +99,17 @@ class LaunchConfig:
             raise ConfigError(f"--discovery-interval: must be a finite number, got {self.discovery_interval}")
         if self.discovery_interval <= 0:
             raise ConfigError(f"--discovery-interval: must be positive, got {self.discovery_interval}")
+        hb = self.timeouts.heartbeat_timeout
+        # A heartbeat is a long poll of one interval: allow at least two before calling a
+        # worker wedged, or a busy machine produces false verdicts.
+        if not (math.isfinite(hb) and hb >= 2 * self.timeouts.heartbeat_interval):
+            raise ConfigError(
+                f"--heartbeat-timeout: expected a finite number of seconds, at least twice the "
+                f"heartbeat interval ({2 * self.timeouts.heartbeat_interval:g}), got {hb}"
+            )
+        for name, _ in self.env:
+            if not name.isidentifier():
+                raise ConfigError(f"-x/--env: {name!r} is not a valid variable name")
         if self.blacklist_cooldown is not None:
             low, high = self.blacklist_cooldown
             if not (math.isfinite(low) and math.isfinite(high)):  # NaN passes the checks below

@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -33,10 +34,13 @@ from launcher.config import LaunchConfig
 from launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
 from launcher.errors import ConfigError, LaunchError
 from launcher.host_manager import HostManager
-from launcher.hosts import SlotAssignment, SlotKey, assign_slots, count_slots, is_local_host
+from launcher.hosts import SlotAssignment, SlotKey, assign_slots, count_slots
+from launcher.network import HostClassifier, choose_driver_address
+from launcher.processes.base import HostRouter, WorkerLauncher, WorkerProcess, WorkerSpec, describe_status, stop_all
+from launcher.processes.local import LocalLauncher
+from launcher.processes.ssh import SshLauncher
 from launcher.registry import Registry, RoundInfo, WorkerRecord, WorkerState
 from launcher.rendezvous_server import RendezvousServer
-from launcher.workers import LocalProcess, stop_all
 from lightning_elastic import protocol as p
 
 # Put first on the workers' PYTHONPATH: lightning_elastic/_autoload/sitecustomize.py.
@@ -83,19 +87,23 @@ class Driver:
         self,
         config: LaunchConfig,
         discovery: HostDiscovery,
+        launcher: WorkerLauncher,
+        is_local: Callable[[str], bool],
         clock: Callable[[], float] = time.monotonic,
-        out: IO[str] | None = None,
     ) -> None:
         self._config = config
         self._clock = clock
-        self._out = out
+        self._launcher = launcher
+        self._is_local = is_local
+        self._address = "127.0.0.1"  # where workers reach the driver; chosen from the first hosts
         self._discovery = DiscoveryPoller(discovery, config.discovery_interval)
         self._hosts = HostManager(config.blacklist_cooldown, clock)
         self._registry = Registry(clock)
         self._secret = secrets.token_hex(32)
-        self._server = RendezvousServer(self._registry, self._secret)
+        self._server: RendezvousServer | None = None
         self._store = None  # torch TCPStore, hosted here for process-group bootstrap
-        self._processes: dict[str, LocalProcess] = {}
+        self._processes: dict[str, WorkerProcess] = {}
+        self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
         self._target: list[SlotAssignment] = []
         self._announced_for: tuple[SlotKey, ...] | None = None
@@ -108,6 +116,7 @@ class Driver:
         self._failures: list[str] = []
         self._blacklisted: list[str] = []
         self._failure_of: dict[str, str] = {}
+        self._refused_hosts: set[str] = set()
         self._stop_requested = threading.Event()
         self._stop_signal = ""
         self._started_at = clock()
@@ -126,8 +135,9 @@ class Driver:
         except LaunchError as err:
             return self._result(policy.Verdict(False, str(err)))
         try:
-            for h in first:
-                self._check_local(h.host)
+            self._address = choose_driver_address(
+                [h.host for h in first], self._is_local, self._config.driver_address, self._config.network_interface
+            )
             self._start_services()
             with self._registry.cond:
                 self._hosts.update(first)
@@ -143,9 +153,22 @@ class Driver:
     def _start_services(self) -> None:
         from torch.distributed import TCPStore  # the driver's only use of torch
 
-        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        # Listen on the job's own address only (TCPStore alone listens on every interface).
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((self._address, 0))
+            listener.listen(1024)
+        except OSError as err:
+            listener.close()
+            raise ConfigError(f"cannot serve on {self._address}: {err}") from None
+        # detach(): the store owns the descriptor from here on and closes it.
+        self._store = TCPStore(
+            self._address, 0, is_master=True, wait_for_workers=False, use_libuv=True,
+            master_listen_fd=listener.detach(),
+        )
+        self._server = RendezvousServer(self._registry, self._secret, host=self._address)
         self._server.start()
-        log.info("Rendezvous service at %s; store at 127.0.0.1:%d.", self._server.url, self._store.port)
+        log.info("Rendezvous service at %s; store at %s:%d.", self._server.url, self._address, self._store.port)
 
     def _shutdown(self) -> None:
         self._discovery.close()
@@ -153,7 +176,8 @@ class Driver:
         if any(p_.poll() is None for p_ in procs):
             log.info("Stopping %d worker process(es).", sum(p_.poll() is None for p_ in procs))
         stop_all(procs, self._config.timeouts.stop_grace)
-        self._server.close()
+        if self._server is not None:
+            self._server.close()
 
     def _result(self, verdict: policy.Verdict) -> JobResult:
         return JobResult(
@@ -163,7 +187,7 @@ class Driver:
             failures=tuple(self._failures),
             blacklisted=tuple(self._blacklisted),
             duration=self._clock() - self._started_at,
-            rejected_requests=self._server.rejected,
+            rejected_requests=self._server.rejected if self._server else 0,
         )
 
     # ----- the loop -------------------------------------------------------------------
@@ -196,13 +220,7 @@ class Driver:
         self._discovery_error = latest.error
         if latest.hosts is None:
             return
-        usable = []
-        for h in latest.hosts:
-            try:
-                self._check_local(h.host)
-                usable.append(h)
-            except ConfigError as err:
-                log.error("Ignoring discovered host: %s", err)
+        usable = [h for h in latest.hosts if self._reachable(h.host)]
         change = self._hosts.update(usable)
         if change:
             log.info(
@@ -210,12 +228,17 @@ class Driver:
                 list(change.added), list(change.removed), list(change.resized),
             )
 
-    def _check_local(self, host: str) -> None:
-        if not is_local_host(host):
-            raise ConfigError(
-                f"host {host!r} is not this machine: starting workers on other machines "
-                "(over ssh) is not supported yet; use loopback addresses such as 127.0.0.2"
+    def _reachable(self, host: str) -> bool:
+        """A remote host cannot reach services bound to loopback: refuse it, say how to fix it."""
+        if self._is_local(host) or not self._address.startswith("127."):
+            return True
+        if host not in self._refused_hosts:
+            self._refused_hosts.add(host)
+            log.error(
+                "Ignoring discovered host %s: it is another machine, and the driver serves on loopback "
+                "(the first hosts were all local); pass --driver-address or --network-interface.", host,
             )
+        return False
 
     # ----- workers --------------------------------------------------------------------
 
@@ -223,32 +246,33 @@ class Driver:
         number = next(self._worker_numbers)
         worker_id = f"{slot.slot}#{number}"
         record = self._registry.add_worker(worker_id, slot.slot)
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # several workers per host would thrash otherwise
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        # Our sitecustomize registers strategy="elastic_hvd" when the script imports Lightning.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(AUTOLOAD_DIR), env.get("PYTHONPATH")]))
-        assert self._store is not None
-        env.update(
-            {
-                p.ENV_DRIVER_URL: self._server.url,
-                p.ENV_SECRET: self._secret,
-                p.ENV_WORKER_ID: worker_id,
-                p.ENV_HOSTNAME: slot.slot.host,
-                p.ENV_HEARTBEAT_INTERVAL: str(self._config.timeouts.heartbeat_interval),
-                p.ENV_ELASTIC_TIMEOUT: str(self._config.elastic_timeout),
-                p.ENV_LOST_MEMBER_WAIT: str(self._config.timeouts.lost_member_wait),
-                p.ENV_PROCESS_GROUP_TIMEOUT: str(self._config.timeouts.process_group),
-                # The usual torch variables, as planned; le.init() updates them every round.
-                "RANK": str(slot.rank),
-                "WORLD_SIZE": str(slot.size),
-                "LOCAL_RANK": str(slot.slot.local_rank),
-                "LOCAL_WORLD_SIZE": str(slot.local_size),
-                "GROUP_RANK": str(slot.cross_rank),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(self._store.port),
-            }
-        )
+        assert self._store is not None and self._server is not None
+        t = self._config.timeouts
+        # The driver's PYTHONPATH with our sitecustomize first: it registers
+        # strategy="elastic_hvd" when the script imports Lightning.
+        pythonpath = os.pathsep.join(filter(None, [str(AUTOLOAD_DIR), os.environ.get("PYTHONPATH")]))
+        env = {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # several workers per host would thrash
+            "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
+            "PYTHONPATH": pythonpath,
+            **dict(self._config.env),
+            p.ENV_DRIVER_URL: self._server.url,
+            p.ENV_WORKER_ID: worker_id,
+            p.ENV_HOSTNAME: slot.slot.host,
+            p.ENV_HEARTBEAT_INTERVAL: str(t.heartbeat_interval),
+            p.ENV_HEARTBEAT_TIMEOUT: str(t.heartbeat_timeout),
+            p.ENV_ELASTIC_TIMEOUT: str(self._config.elastic_timeout),
+            p.ENV_LOST_MEMBER_WAIT: str(t.lost_member_wait),
+            p.ENV_PROCESS_GROUP_TIMEOUT: str(t.process_group),
+            # The usual torch variables, as planned; le.init() updates them every round.
+            "RANK": str(slot.rank),
+            "WORLD_SIZE": str(slot.size),
+            "LOCAL_RANK": str(slot.slot.local_rank),
+            "LOCAL_WORLD_SIZE": str(slot.local_size),
+            "GROUP_RANK": str(slot.cross_rank),
+            "MASTER_ADDR": self._address,
+            "MASTER_PORT": str(self._store.port),
+        }
         log_file = None
         if self._config.log_dir is not None:
             self._config.log_dir.mkdir(parents=True, exist_ok=True)
@@ -258,7 +282,16 @@ class Driver:
             rank = record.rank
             return f"[{rank if rank is not None else '-'}] "
 
-        self._processes[worker_id] = LocalProcess(self._config.command, env, prefix, log_file, self._out)
+        spec = WorkerSpec(
+            worker_id=worker_id,
+            host=slot.slot.host,
+            command=self._config.command,
+            env=env,
+            secret=self._secret,
+            cwd=os.getcwd(),
+            log_file=log_file,
+        )
+        self._processes[worker_id] = self._launcher.start(spec, prefix)
         log.info("Started worker %s (pid %d).", worker_id, self._processes[worker_id].pid)
 
     def _stop_worker(self, record: WorkerRecord, why: str) -> None:
@@ -298,12 +331,16 @@ class Driver:
 
     def _fail(self, record: WorkerRecord, status: int, was_member: bool) -> None:
         record.state = WorkerState.FAILED
-        if status < 0:
-            how = f"was killed by {signal.Signals(-status).name}"
+        proc = self._processes[record.worker_id]
+        detail = proc.exit_detail()
+        if detail:
+            how = f"was lost: {detail}"
         elif status == 0:
             how = "exited with status 0 without reporting that training returned"
         else:
-            how = f"exited with status {status}"
+            how = describe_status(status)
+        if record.worker_id in self._kill_reasons:
+            how += f": {self._kill_reasons[record.worker_id]}"
         if record.report and record.report.outcome == p.Outcome.FAILED and record.report.message:
             how += f" after raising {record.report.message}"
         text = f"worker {record.worker_id} {how}"
@@ -331,28 +368,20 @@ class Driver:
         for record in self._registry.live_workers():
             if record.worker_id in self._stopping:
                 continue
-            proc = self._processes[record.worker_id]
             if record.last_heartbeat is None:
                 if now - record.started_at > t.worker_arrival:
-                    log.warning(
-                        "Worker %s did not reach the rendezvous within %g s: killing it.",
-                        record.worker_id, t.worker_arrival,
-                    )
-                    proc.signal(signal.SIGKILL)
+                    self._kill(record, f"it did not reach the rendezvous within {t.worker_arrival:g} s")
             elif self._late_for_rendezvous(record, now):
-                log.warning(
-                    "Worker %s did not come back to the rendezvous within %g s of the reset: killing it.",
-                    record.worker_id, t.worker_arrival,
-                )
-                proc.signal(signal.SIGKILL)
-                self._stopping[record.worker_id] = now + t.stop_grace
+                self._kill(record, f"it did not come back to the rendezvous within {t.worker_arrival:g} s of the reset")
             elif now - record.last_heartbeat > t.heartbeat_timeout:
-                log.warning(
-                    "Worker %s sent no heartbeat for %g s (hung or stopped): killing it.",
-                    record.worker_id, t.heartbeat_timeout,
-                )
-                proc.signal(signal.SIGKILL)
-                self._stopping[record.worker_id] = now + t.stop_grace
+                self._kill(record, f"it sent no heartbeat for {t.heartbeat_timeout:g} s (hung, stopped or unreachable)")
+
+    def _kill(self, record: WorkerRecord, why: str) -> None:
+        """SIGKILL a wedged worker: its peers then fail promptly instead of at a timeout."""
+        log.warning("Killing worker %s: %s.", record.worker_id, why)
+        self._kill_reasons[record.worker_id] = why
+        self._processes[record.worker_id].signal(signal.SIGKILL)
+        self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
 
     def _late_for_rendezvous(self, record: WorkerRecord, now: float) -> bool:
         """A member still away from the rendezvous long after its round was reset.
@@ -503,7 +532,7 @@ class Driver:
             verdict = policy.check_reset_limit(len(self._rounds) - 1, self._config.reset_limit)
             if verdict is not None:
                 return verdict
-        info = reg.form_round(members, ("127.0.0.1", self._store.port))
+        info = reg.form_round(members, (self._address, self._store.port), secrets.token_hex(16))
         self._rounds.append(len(members))
         self._announced_for = None
         self._reset_pending_since = None
@@ -523,7 +552,9 @@ def make_discovery(config: LaunchConfig) -> HostDiscovery:
 
 def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
     """Run one elastic job to its end; SIGINT and SIGTERM stop it and every worker."""
-    driver = Driver(config, make_discovery(config), out=out)
+    classifier = HostClassifier()
+    router = HostRouter(LocalLauncher(out), SshLauncher(config.ssh, out), classifier.is_local)
+    driver = Driver(config, make_discovery(config), router, classifier.is_local)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -114,7 +114,7 @@ class Registry:
         self.cond.notify_all()
 
     def form_round(
-        self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]
+        self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int], store_token: str = ""
     ) -> RoundInfo:
         number = (self.round.number if self.round else 0) + 1
         for record, slot in members:
@@ -130,6 +130,7 @@ class Registry:
                 store_host=store[0],
                 store_port=store[1],
                 generation=self.generation,
+                store_token=store_token,
             )
             record.state = WorkerState.MEMBER
             record.arrived_after_round = None
@@ -183,7 +184,10 @@ class Registry:
         with self.cond:
             record = self._get(request.worker_id)
             record.last_heartbeat = self._clock()
-            while self.generation <= request.known_generation:
+            # Wake early on a broken round too: a member blocked in a collective on a dead
+            # peer (NCCL often hangs rather than fails) learns it a long-poll sooner.
+            while (self.generation <= request.known_generation
+                   and max(self.broken_rounds, default=0) <= request.known_broken_round):
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     break

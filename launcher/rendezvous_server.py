@@ -1,14 +1,17 @@
 """The rendezvous service: an authenticated JSON-over-HTTP front for the registry.
 
-Every request must carry the job's secret; anything else is answered 401, and a body that
-does not match the protocol 400, before it can reach the registry. Nothing is unpickled.
+Every request must be signed with the job's secret (see ``protocol.sign_request``), recent
+and not seen before; anything else is answered 401, and a body that does not match the
+protocol 400, before it can reach the registry. Replies to authenticated requests are
+signed so workers can trust them. Nothing is unpickled.
 """
 
 from __future__ import annotations
 
-import hmac
+import heapq
 import logging
 import threading
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +23,10 @@ from lightning_elastic import protocol as p
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 * 1024  # every protocol message is tiny; refuse anything larger
+# Accept request timestamps this far either side of the driver's wall clock. Cluster hosts
+# keep their clocks NTP-synced, so honest skew is far smaller; the window also bounds how
+# long a nonce must be remembered to refuse a replay, hence the size of that cache.
+TIMESTAMP_WINDOW = 300.0
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -31,10 +38,20 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class RendezvousServer:
-    def __init__(self, registry: Registry, secret: str, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, registry: Registry, secret: str, host: str = "127.0.0.1", *,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._registry = registry
         self._secret = secret
         self._host = host
+        self._wall_clock = wall_clock  # wall time: it is compared with other hosts' clocks
+        self._nonce_lock = threading.Lock()
+        self._seen_nonces: set[str] = set()
+        self._nonce_expiry: list[tuple[int, str]] = []  # heap of (request timestamp, nonce)
+        # Oldest timestamp still accepted; it never moves back, even if the wall clock steps
+        # back, so a nonce forgotten below it can never be replayed.
+        self._oldest_accepted = float("-inf")
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.rejected = 0  # requests refused for auth or form; shown in the job summary
@@ -56,21 +73,36 @@ class RendezvousServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # The nonce of the request being answered, once its signature is verified: replies
+            # are signed only then (signing for an unverified, hence anyone's, nonce would
+            # hand out valid answers to requests the secret's holder never made).
+            reply_nonce: str | None = None
 
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                route = routes.get(self.path)
-                if route is None:
-                    return self._refuse(HTTPStatus.NOT_FOUND, p.ErrorReply(f"no such path {self.path}"))
-                if not server._authorized(self.headers.get(p.AUTH_HEADER, "")):
-                    return self._refuse(HTTPStatus.UNAUTHORIZED, p.ErrorReply("missing or wrong job secret"))
+                self.reply_nonce = None  # a keep-alive connection reuses this handler
+                auth = p.parse_request_auth(self.headers)
+                if auth is None:
+                    return self._refuse(
+                        HTTPStatus.UNAUTHORIZED, p.ErrorReply("missing or malformed signature headers")
+                    )
                 length = self._body_length()
                 if length is None:
                     return self._refuse(
                         HTTPStatus.BAD_REQUEST, p.ErrorReply(f"Content-Length must be 0..{MAX_BODY}")
                     )
+                body = self.rfile.read(length)  # the signature covers the body's hash
+                if not p.verify_request(server._secret, self.command, self.path, auth, body):
+                    return self._reply(HTTPStatus.UNAUTHORIZED, p.ErrorReply("bad signature (wrong job secret?)"))
+                self.reply_nonce = auth.nonce
+                stale = server._admit(auth)
+                if stale is not None:
+                    return self._reply(HTTPStatus.UNAUTHORIZED, p.ErrorReply(stale))
+                route = routes.get(self.path)
+                if route is None:
+                    return self._reply(HTTPStatus.NOT_FOUND, p.ErrorReply(f"no such path {self.path}"))
                 cls, call = route
                 try:
-                    message = p.decode(cls, self.rfile.read(length))
+                    message = p.decode(cls, body)
                     reply = call(message)
                 except p.ProtocolError as err:
                     return self._reply(HTTPStatus.BAD_REQUEST, p.ErrorReply(str(err)))
@@ -113,6 +145,9 @@ class RendezvousServer:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                if self.reply_nonce is not None:
+                    signature = p.sign_reply(server._secret, status, self.reply_nonce, body)
+                    self.send_header(p.HEADER_SIGNATURE, signature)
                 if self.close_connection:
                     self.send_header("Connection", "close")
                 self.end_headers()
@@ -130,9 +165,24 @@ class RendezvousServer:
             self._server.shutdown()
             self._server.server_close()
 
-    def _authorized(self, header: str) -> bool:
-        scheme, _, token = header.partition(" ")
-        return scheme == p.AUTH_SCHEME and hmac.compare_digest(token.encode(), self._secret.encode())
+    def _admit(self, auth: p.RequestAuth) -> str | None:
+        """Why a correctly signed request is refused (stale or replayed), or None to admit it.
+
+        Only verified nonces are remembered, so forged requests cannot fill the cache.
+        """
+        now = self._wall_clock()
+        with self._nonce_lock:
+            self._oldest_accepted = max(self._oldest_accepted, now - TIMESTAMP_WINDOW)
+            if not self._oldest_accepted <= auth.timestamp <= now + TIMESTAMP_WINDOW:
+                return f"timestamp outside {TIMESTAMP_WINDOW:g} s of the driver's clock (clock skew?)"
+            # A nonce older than the window is refused by its timestamp alone: forget it.
+            while self._nonce_expiry and self._nonce_expiry[0][0] < self._oldest_accepted:
+                self._seen_nonces.discard(heapq.heappop(self._nonce_expiry)[1])
+            if auth.nonce in self._seen_nonces:
+                return "replayed request (nonce already seen)"
+            self._seen_nonces.add(auth.nonce)
+            heapq.heappush(self._nonce_expiry, (auth.timestamp, auth.nonce))
+            return None
 
     def _report(self, report: p.Report) -> p.Ack:
         self._registry.report(report)

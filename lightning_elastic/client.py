@@ -1,4 +1,8 @@
-"""HTTP client of the driver's rendezvous service (worker side)."""
+"""HTTP client of the driver's rendezvous service (worker side).
+
+Requests are signed and replies verified with the job's secret (``protocol.sign_request``,
+``protocol.verify_reply``); the secret itself is never sent.
+"""
 
 from __future__ import annotations
 
@@ -20,16 +24,16 @@ class DriverClient:
     def __init__(self, url: str, secret: str, worker_id: str) -> None:
         self.worker_id = worker_id
         self._url = url.rstrip("/")
+        self._secret = secret
         self._session = requests.Session()
-        self._session.headers[p.AUTH_HEADER] = f"{p.AUTH_SCHEME} {secret}"
 
     def rendezvous(self, after_round: int) -> p.RendezvousReply:
         return self._post(p.PATH_RENDEZVOUS, p.RendezvousRequest(self.worker_id, after_round),
                           p.RendezvousReply, wait=p.RENDEZVOUS_POLL)
 
-    def heartbeat(self, known_generation: int, wait: float) -> p.HeartbeatReply:
-        return self._post(p.PATH_HEARTBEAT, p.HeartbeatRequest(self.worker_id, known_generation, wait),
-                          p.HeartbeatReply, wait=wait, retry_for=0.0)
+    def heartbeat(self, known_generation: int, known_broken_round: int, wait: float) -> p.HeartbeatReply:
+        request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait)
+        return self._post(p.PATH_HEARTBEAT, request, p.HeartbeatReply, wait=wait, retry_for=0.0)
 
     def round_lost(self, round_number: int, wait: float) -> bool:
         reply = self._post(p.PATH_ROUND_LOST, p.RoundLostRequest(self.worker_id, round_number, wait),
@@ -45,11 +49,14 @@ class DriverClient:
     def _post(self, path: str, message: Any, reply_type: type[T], wait: float = 0.0,
               retry_for: float = RETRY_FOR) -> T:
         deadline = time.monotonic() + retry_for
+        body = p.to_json(message)
         while True:
+            # Signed afresh for every attempt: the driver refuses a nonce it has seen.
+            auth = p.sign_request(self._secret, "POST", path, body)
             try:
                 response = self._session.post(
-                    self._url + path, data=p.to_json(message),
-                    headers={"Content-Type": "application/json"},
+                    self._url + path, data=body,
+                    headers={"Content-Type": "application/json", **auth},
                     timeout=(CONNECT_TIMEOUT, wait + 30.0),
                 )
             except requests.RequestException as err:
@@ -57,8 +64,26 @@ class DriverClient:
                     raise RendezvousError(f"driver at {self._url} unreachable: {err}") from None
                 time.sleep(0.5)
                 continue
+            self._check_signature(response, auth[p.HEADER_NONCE])
             if response.status_code != 200:
                 raise RendezvousError(
                     f"driver refused {path} ({response.status_code}): {response.text.strip()[:300]}"
                 )
             return p.decode(reply_type, response.content)
+
+    def _check_signature(self, response: requests.Response, nonce: str) -> None:
+        """Refuse a reply the driver did not sign for this request (a spoofed driver).
+
+        The message never quotes the unverified reply: the worker acts on error texts
+        (a "(409)" ends its heartbeats), and a spoofer must not choose them.
+        """
+        signature = response.headers.get(p.HEADER_SIGNATURE)
+        if p.verify_reply(self._secret, response.status_code, nonce, response.content, signature):
+            return
+        why = "unsigned" if signature is None else "wrongly signed"
+        hint = (" (the driver did not accept this worker's signature: wrong job secret?)"
+                if response.status_code == 401 else "")
+        raise RendezvousError(
+            f"reply from the driver at {self._url} failed authentication: "
+            f"{why} reply with status {response.status_code}{hint}"
+        )

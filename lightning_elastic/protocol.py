@@ -3,9 +3,13 @@
 This is the only module both sides import. It is standard-library only (no torch, no
 requests) so the driver can use it without loading the worker runtime.
 
-Every request is an HTTP POST with a JSON body and the per-job secret in the
-``Authorization: Bearer <secret>`` header. Bodies are decoded into the frozen dataclasses
-below by ``decode``, which rejects unknown, missing or mistyped fields with a
+Every request is an HTTP POST with a JSON body, signed with the per-job secret (the secret
+itself never travels: workers may run on other machines). ``sign_request`` gives the
+headers: a wall-clock timestamp, a random nonce and
+``HMAC-SHA256(secret, method | path | timestamp | nonce | sha256(body))``. The driver
+signs its reply, bound to that nonce (``sign_reply``), so a worker can trust the store
+address and ranks it is told: a spoofed driver cannot answer. Bodies are decoded into the
+frozen dataclasses below by ``decode``, which rejects unknown, missing or mistyped fields with a
 ``ProtocolError`` naming the field, so a malformed request gets a clear 400 instead of
 reaching the driver's state.
 """
@@ -13,25 +17,35 @@ reaching the driver's state.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import math
+import re
+import secrets
+import time
 import typing
+from collections.abc import Mapping
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 # Environment variables the driver sets for every worker (besides torch's usual RANK,
 # WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 ENV_DRIVER_URL = "LIGHTNING_ELASTIC_DRIVER_URL"
-ENV_SECRET = "LIGHTNING_ELASTIC_SECRET"
+# The job secret is never in the environment or on a command line (``ps`` shows both): the
+# worker reads it once from the inherited pipe whose descriptor this variable names.
+ENV_SECRET_FD = "LIGHTNING_ELASTIC_SECRET_FD"
 ENV_WORKER_ID = "LIGHTNING_ELASTIC_WORKER_ID"
 ENV_HOSTNAME = "LIGHTNING_ELASTIC_HOSTNAME"
 ENV_HEARTBEAT_INTERVAL = "LIGHTNING_ELASTIC_HEARTBEAT_INTERVAL"
+ENV_HEARTBEAT_TIMEOUT = "LIGHTNING_ELASTIC_HEARTBEAT_TIMEOUT"
 ENV_ELASTIC_TIMEOUT = "LIGHTNING_ELASTIC_TIMEOUT"
 ENV_LOST_MEMBER_WAIT = "LIGHTNING_ELASTIC_LOST_MEMBER_WAIT"
 ENV_PROCESS_GROUP_TIMEOUT = "LIGHTNING_ELASTIC_PROCESS_GROUP_TIMEOUT"
 
-AUTH_HEADER = "Authorization"
-AUTH_SCHEME = "Bearer"
+HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
+HEADER_NONCE = "X-Elastic-Nonce"  # secrets.token_hex(16), fresh for every request sent
+HEADER_SIGNATURE = "X-Elastic-Signature"  # hex HMAC-SHA256; on requests and on replies
 
 PATH_RENDEZVOUS = "/v1/rendezvous"
 PATH_HEARTBEAT = "/v1/heartbeat"
@@ -78,6 +92,10 @@ class Assignment:
     store_host: str
     store_port: int
     generation: int  # host-change generation this round was formed at
+    # Random per round, known only through this authenticated reply: keys of the next
+    # round's process-group bootstrap cannot be named (and so not planted) in advance by
+    # someone who can reach the store but has no secret.
+    store_token: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +108,8 @@ class RendezvousReply:
 class HeartbeatRequest:
     worker_id: str
     known_generation: int
-    wait_seconds: float  # long poll: answer early when the generation moves past known
+    known_broken_round: int  # highest broken round the worker has heard of (0: none)
+    wait_seconds: float  # long poll: answer early when the generation or broken round moves past known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +149,76 @@ class ErrorReply:
 
 
 T = TypeVar("T")
+
+
+# ----- signing -----------------------------------------------------------------------
+
+# Canonical forms only, so each header value has one spelling and the signature covers
+# exactly what is parsed.
+_TIMESTAMP = re.compile(r"0|[1-9][0-9]{0,15}")
+_NONCE = re.compile(r"[0-9a-f]{32}")
+_SIGNATURE = re.compile(r"[0-9a-f]{64}")
+
+
+class RequestAuth(NamedTuple):
+    """The well-formed signing headers of a request (not yet verified)."""
+
+    timestamp: int
+    nonce: str
+    signature: str
+
+
+def _hmac(secret: str, *parts: str) -> str:
+    # "\n" cannot occur in any part (an HTTP method or path, digits, hex), so the joined
+    # message is unambiguous.
+    return hmac.new(secret.encode(), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def _matches(expected: str, given: str | None) -> bool:
+    # compare_digest raises on non-ASCII str (a header may hold any latin-1 text): compare bytes.
+    return given is not None and hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace"))
+
+
+def request_signature(secret: str, method: str, path: str, timestamp: int, nonce: str, body: bytes) -> str:
+    return _hmac(secret, method, path, str(timestamp), nonce, hashlib.sha256(body).hexdigest())
+
+
+def sign_request(secret: str, method: str, path: str, body: bytes) -> dict[str, str]:
+    """The signing headers for one request: call again for every attempt (a fresh nonce)."""
+    timestamp, nonce = int(time.time()), secrets.token_hex(16)
+    return {
+        HEADER_TIMESTAMP: str(timestamp),
+        HEADER_NONCE: nonce,
+        HEADER_SIGNATURE: request_signature(secret, method, path, timestamp, nonce, body),
+    }
+
+
+def parse_request_auth(headers: Mapping[str, str]) -> RequestAuth | None:
+    """The request's signing headers, or None when one is missing or malformed."""
+    timestamp, nonce, signature = (headers.get(h) for h in (HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE))
+    if not (
+        timestamp is not None and _TIMESTAMP.fullmatch(timestamp)
+        and nonce is not None and _NONCE.fullmatch(nonce)
+        and signature is not None and _SIGNATURE.fullmatch(signature)
+    ):
+        return None
+    return RequestAuth(int(timestamp), nonce, signature)
+
+
+def verify_request(secret: str, method: str, path: str, auth: RequestAuth, body: bytes) -> bool:
+    """Is the signature right? Freshness (timestamp window, unseen nonce) is the receiver's check."""
+    expected = request_signature(secret, method, path, auth.timestamp, auth.nonce, body)
+    return _matches(expected, auth.signature)
+
+
+def sign_reply(secret: str, status: int, nonce: str, body: bytes) -> str:
+    """Signature of a reply to the request that carried ``nonce`` (sent in HEADER_SIGNATURE)."""
+    # int(): an HTTPStatus must sign as "200", never as its enum name.
+    return _hmac(secret, "reply", str(int(status)), nonce, hashlib.sha256(body).hexdigest())
+
+
+def verify_reply(secret: str, status: int, nonce: str, body: bytes, signature: str | None) -> bool:
+    return _matches(sign_reply(secret, status, nonce, body), signature)
 
 
 def to_json(message: Any) -> bytes:

@@ -14,10 +14,12 @@ import os
 import sys
 import threading
 import time
+import urllib.parse
 
 import torch
 import torch.distributed as dist
 
+from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.errors import HostsUpdatedInterrupt, RendezvousError
@@ -30,7 +32,10 @@ from lightning_elastic.process_group import (
 
 log = logging.getLogger(__name__)
 
-DRIVER_LOST_AFTER = 60.0  # a worker that cannot reach its driver this long exits
+# A worker that has not reached its driver for this many heartbeat timeouts leaves: by
+# then the driver has declared it lost (a partition, or the driver is gone) and killed it
+# as far as it could, so lingering could only leave a stray process on its host.
+DRIVER_LOST_AFTER_TIMEOUTS = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,7 @@ class WorkerSettings:
     worker_id: str
     hostname: str
     heartbeat_interval: float
+    heartbeat_timeout: float
     elastic_timeout: float
     lost_member_wait: float
     process_group_timeout: float
@@ -62,10 +68,11 @@ class WorkerSettings:
         try:
             return cls(
                 driver_url=environ[p.ENV_DRIVER_URL],
-                secret=environ[p.ENV_SECRET],
+                secret=_read_secret(environ),
                 worker_id=environ[p.ENV_WORKER_ID],
                 hostname=environ[p.ENV_HOSTNAME],
                 heartbeat_interval=float(environ.get(p.ENV_HEARTBEAT_INTERVAL, "1")),
+                heartbeat_timeout=float(environ.get(p.ENV_HEARTBEAT_TIMEOUT, "10")),
                 elastic_timeout=float(environ.get(p.ENV_ELASTIC_TIMEOUT, "600")),
                 lost_member_wait=float(environ.get(p.ENV_LOST_MEMBER_WAIT, "5")),
                 process_group_timeout=float(environ.get(p.ENV_PROCESS_GROUP_TIMEOUT, "60")),
@@ -74,6 +81,30 @@ class WorkerSettings:
             raise RendezvousError(
                 f"environment variable {err.args[0]} is missing: start workers with lightning-elastic launch"
             ) from None
+
+
+def _read_secret(environ: os._Environ | dict[str, str]) -> str:
+    """Read the job secret from the pipe the launcher passed (once: the pipe is then closed).
+
+    The variable is removed so that processes this worker starts do not look for a closed
+    descriptor.
+    """
+    fd = int(environ[p.ENV_SECRET_FD])
+    chunks = []
+    try:
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    except OSError as err:
+        raise RendezvousError(
+            f"cannot read the job secret from descriptor {fd} ({err}): start workers with lightning-elastic launch"
+        ) from None
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        environ.pop(p.ENV_SECRET_FD, None)
+    return b"".join(chunks).decode()
 
 
 class ElasticWorker:
@@ -91,6 +122,7 @@ class ElasticWorker:
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._backend: BackendChoice | None = None
+        self._group_connections: frozenset[group_sockets.Connection] = frozenset()
 
     @classmethod
     def from_environment(cls, use_cuda: bool | None = None) -> ElasticWorker:
@@ -161,13 +193,26 @@ class ElasticWorker:
                 )
             store = self._store
             timeout = datetime.timedelta(seconds=self.settings.process_group_timeout)
-        init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
+        if self._backend.backend != "gloo" or self.settings is None:
+            init_round_group(store, a.round, a.rank, a.size, self._backend, timeout, a.store_token)
+            return
+        # Remember the group's own connections: a partitioned peer can only be cut off by
+        # shutting them down (see group_sockets).
+        before = group_sockets.established()
+        init_round_group(store, a.round, a.rank, a.size, self._backend, timeout, a.store_token)
+        driver = urllib.parse.urlsplit(self.settings.driver_url)
+        excluded = {(a.store_host, a.store_port), (driver.hostname or "", driver.port or 0)}
+        connections = group_sockets.new_connections(before, group_sockets.established(), excluded)
+        with self._lock:
+            self._group_connections = connections
 
     @staticmethod
     def _publish_environment(a: p.Assignment) -> None:
         # Libraries that read torch's usual variables see the current round.
         os.environ.update(
             {
+                "MASTER_ADDR": a.store_host,
+                "MASTER_PORT": str(a.store_port),
                 "RANK": str(a.rank),
                 "WORLD_SIZE": str(a.size),
                 "LOCAL_RANK": str(a.local_rank),
@@ -241,15 +286,18 @@ class ElasticWorker:
         while not self._heartbeat_stop.is_set():
             try:
                 with self._lock:
-                    known = self._seen_generation
-                reply = self._client.heartbeat(known, interval)
+                    known, known_broken = self._seen_generation, self._last_broken_round
+                reply = self._client.heartbeat(known, known_broken, interval)
             except RendezvousError as err:
                 if "(409)" in str(err):
-                    return  # the driver has finished with this worker
-                if time.monotonic() - last_ok > DRIVER_LOST_AFTER:
-                    # The driver is gone: no one will ever form another round. Leave rather
-                    # than linger as a stray process.
-                    print(f"lightning-elastic: driver unreachable for {DRIVER_LOST_AFTER:g} s: exiting",
+                    # The driver counts this worker as gone (it missed heartbeats behind a
+                    # partition, say) while it still runs: nobody will answer it again.
+                    print("lightning-elastic: the driver no longer counts this worker in the job: exiting",
+                          file=sys.stderr, flush=True)
+                    os._exit(1)
+                lost_after = DRIVER_LOST_AFTER_TIMEOUTS * self.settings.heartbeat_timeout
+                if time.monotonic() - last_ok > lost_after:
+                    print(f"lightning-elastic: driver unreachable for {lost_after:g} s: exiting",
                           file=sys.stderr, flush=True)
                     os._exit(1)
                 self._heartbeat_stop.wait(interval)
@@ -260,7 +308,19 @@ class ElasticWorker:
                 newly_broken = reply.last_broken_round > self._last_broken_round
                 self._last_broken_round = max(self._last_broken_round, reply.last_broken_round)
             a = self._assignment
-            if newly_broken and a is not None and reply.last_broken_round == a.round and self.backend == "nccl":
-                # NCCL often hangs, rather than fails, on a dead peer: abort the communicator
-                # so the stuck collective raises and @run can recover.
-                destroy_round_group(abort=True)
+            if newly_broken and a is not None and reply.last_broken_round == a.round:
+                self._unblock_collectives()
+
+    def _unblock_collectives(self) -> None:
+        """The round lost a member: make a collective stuck waiting for it raise now.
+
+        A dead peer usually fails a gloo collective within milliseconds, but one behind a
+        partition sends nothing, and NCCL often hangs rather than fails: without this the
+        survivors would wait for the process-group timeout.
+        """
+        if self.backend == "nccl":
+            destroy_round_group(abort=True)  # abort the communicator; @run re-forms
+            return
+        with self._lock:
+            connections = self._group_connections
+        group_sockets.shut_down(connections)

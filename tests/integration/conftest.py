@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.integration.harness import Job, wait_for
+from tests.integration.namespaces import HostsUnavailable, NamespacedHosts
 
 
 @pytest.fixture
@@ -21,3 +23,37 @@ def job(tmp_path) -> Iterator[Job]:
         for proc in stray:
             proc.kill()
         pytest.fail(f"processes left behind after the driver exited: {[p.pid for p in stray]}")
+
+
+@pytest.fixture(scope="session")
+def remote_hosts(request: pytest.FixtureRequest) -> Iterator[NamespacedHosts]:
+    """Network namespaces le-h1..le-h3 with sshd (and le-h4 without) as remote machines.
+
+    Skipped where this box cannot have them (not root, no ``ip``, no namespaces), but in CI
+    (``CI`` set) that is a failure: CI must run these tests, not silently skip them.
+    """
+    hosts = NamespacedHosts()
+    try:
+        try:
+            hosts.start()
+        except HostsUnavailable as exc:
+            reason = f"namespaced remote hosts unavailable: {exc}"
+            # Shown even under -q and output capture: a skipped session deserves a visible reason.
+            capture = request.config.pluginmanager.get_plugin("capturemanager")
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            if capture is not None and reporter is not None:
+                with capture.global_and_fixture_disabled():
+                    reporter.write_line(f"\n{reason}", yellow=True)
+            if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+                pytest.fail(f"{reason} (CI is set, so this is not skipped)", pytrace=False)
+            pytest.skip(reason)
+        yield hosts
+    finally:
+        hosts.close()
+
+
+@pytest.fixture
+def hosts(remote_hosts: NamespacedHosts) -> Iterator[NamespacedHosts]:
+    """The session's hosts, healed and with sshd running again after each test."""
+    yield remote_hosts
+    remote_hosts.restore_all()

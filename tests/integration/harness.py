@@ -22,6 +22,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "elastic_loop.py"
 LAUNCHER = Path(sys.executable).parent / "lightning-elastic"
+CAPTURE_SECRET = Path(__file__).resolve().parent / "capture_secret.py"
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -43,6 +44,7 @@ class Job:
         self.script = workdir / "discover.sh"
         self.stdout_path = workdir / "driver.out"
         self.stderr_path = workdir / "driver.err"
+        self.secret_path = workdir / "secret"
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
 
@@ -60,10 +62,13 @@ class Job:
         return self.script
 
     def start(self, launch_args: Sequence[str], example_args: Sequence[str] = (),
-              command: Sequence[str] | None = None) -> None:
+              command: Sequence[str] | None = None, capture_secret: bool = False) -> None:
+        """Start the driver; ``capture_secret`` lets ``secret()`` read the job secret later."""
         cmd = [str(LAUNCHER), "launch", *launch_args]
         if command is None:
             command = [sys.executable, str(EXAMPLE), "--events", str(self.events_dir), *example_args]
+        if capture_secret:
+            command = [sys.executable, str(CAPTURE_SECRET), str(self.secret_path), *command]
         env = dict(os.environ)
         env.pop("LIGHTNING_ELASTIC_DRIVER_URL", None)
         self.proc = subprocess.Popen(
@@ -94,6 +99,11 @@ class Job:
                 self.proc.wait(10)
 
     # ----- what happened --------------------------------------------------------------
+
+    def secret(self, timeout: float = 60) -> str:
+        """The job secret, as a worker started with ``capture_secret`` received it."""
+        wait_for(self.secret_path.exists, timeout, "a worker to receive the job secret")
+        return self.secret_path.read_text()
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""

@@ -7,6 +7,7 @@ log and its one-line verdict tell how the job ended.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -14,6 +15,7 @@ import psutil
 import pytest
 import requests
 
+from lightning_elastic import protocol as p
 from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
 
 pytestmark = pytest.mark.integration
@@ -225,27 +227,32 @@ def test_driver_sigkill_takes_workers_down(job: Job) -> None:
 
 def test_bad_requests_to_rendezvous_service_are_rejected(job: Job) -> None:
     job.set_hosts(H1, H2)
-    job.start(discovery_args(job, "-np", "2"), [*STEADY, "--epochs", "3"])
+    job.start(discovery_args(job, "-np", "2"), [*STEADY, "--epochs", "3"], capture_secret=True)
     url = wait_for(lambda: _service_url(job), 60, "the rendezvous service address")
-    hb = {"worker_id": "127.0.0.1[0]#0", "known_generation": 0, "wait_seconds": 0}
-    assert requests.post(f"{url}/v1/heartbeat", json=hb, timeout=10).status_code == 401
-    wrong = {"Authorization": "Bearer not-the-secret"}
-    assert requests.post(f"{url}/v1/heartbeat", json=hb, headers=wrong, timeout=10).status_code == 401
-    assert requests.post(f"{url}/v1/report", data=b"\x00garbage", headers=wrong, timeout=10).status_code == 401
-    assert requests.post(f"{url}/v1/nowhere", json=hb, timeout=10).status_code == 404
-    # With the job's secret (read from a worker's environment), malformed bodies still fail.
-    job.wait_steps(1)
-    secret = psutil.Process(job.worker_pid("127.0.0.1")).environ()["LIGHTNING_ELASTIC_SECRET"]
-    auth = {"Authorization": f"Bearer {secret}"}
-    bad_type = requests.post(f"{url}/v1/heartbeat", json={**hb, "known_generation": "x"}, headers=auth, timeout=10)
+    hb = {"worker_id": "127.0.0.1[0]#0", "known_generation": 0, "known_broken_round": 0, "wait_seconds": 0}
+    body = json.dumps(hb).encode()
+    assert requests.post(f"{url}/v1/heartbeat", data=body, timeout=10).status_code == 401
+    # The old scheme (the secret itself as a bearer token) is no longer accepted.
+    secret = job.secret()
+    bearer = {"Authorization": f"Bearer {secret}"}
+    assert requests.post(f"{url}/v1/heartbeat", data=body, headers=bearer, timeout=10).status_code == 401
+    wrong = p.sign_request("not-the-secret", "POST", "/v1/heartbeat", body)
+    assert requests.post(f"{url}/v1/heartbeat", data=body, headers=wrong, timeout=10).status_code == 401
+    # Signed with the job's secret: a replay and a malformed body still fail.
+    signed = p.sign_request(secret, "POST", "/v1/heartbeat", body)
+    assert requests.post(f"{url}/v1/heartbeat", data=body, headers=signed, timeout=10).status_code == 200
+    assert requests.post(f"{url}/v1/heartbeat", data=body, headers=signed, timeout=10).status_code == 401
+    bad = json.dumps({**hb, "known_generation": "x"}).encode()
+    bad_type = requests.post(f"{url}/v1/heartbeat", data=bad,
+                             headers=p.sign_request(secret, "POST", "/v1/heartbeat", bad), timeout=10)
     assert bad_type.status_code == 400
     assert "known_generation: expected int" in bad_type.json()["error"]
-    not_json = requests.post(f"{url}/v1/rendezvous", data=b"{not json", headers=auth, timeout=10)
-    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]
-    forged = {"worker_id": "intruder", "round": 1, "outcome": "done", "message": ""}
-    assert requests.post(f"{url}/v1/report", json=forged, headers=auth, timeout=10).status_code == 409
+    forged = json.dumps({"worker_id": "intruder", "round": 1, "outcome": "done", "message": ""}).encode()
+    reply = requests.post(f"{url}/v1/report", data=forged,
+                          headers=p.sign_request(secret, "POST", "/v1/report", forged), timeout=10)
+    assert reply.status_code == 409
     assert job.wait() == 0, job.stderr()[-3000:]
-    assert "rejected rendezvous requests: 7" in job.stderr()
+    assert "rejected rendezvous requests: 6" in job.stderr()
     assert job.world_sizes() == [2]
     assert_epochs_complete(job, 3)
 
@@ -265,7 +272,7 @@ def test_stopped_worker_is_killed_after_missed_heartbeats(job: Job) -> None:
     os.kill(job.worker_pid("127.0.0.2"), signal.SIGSTOP)  # hung, not dead: only heartbeats tell
     assert job.wait() == 0, job.stderr()[-3000:]
     err = job.stderr()
-    assert "Worker 127.0.0.2[0]#1 sent no heartbeat for 10 s (hung or stopped): killing it." in err
+    assert "Killing worker 127.0.0.2[0]#1: it sent no heartbeat for 10 s (hung, stopped or unreachable)." in err
     assert "was killed by SIGKILL" in err
     assert job.world_sizes() == [3, 2]
     assert_epochs_complete(job, 4)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
+import time
+from http import HTTPStatus
 
 import pytest
 
@@ -21,7 +25,7 @@ MESSAGES = [
     p.RendezvousReply(p.RendezvousStatus.ASSIGNED, ASSIGNMENT),
     p.RendezvousReply(p.RendezvousStatus.WAIT),
     p.RendezvousReply(p.RendezvousStatus.EXIT, None),
-    p.HeartbeatRequest("w", 2, 1.5),
+    p.HeartbeatRequest("w", 2, 1, 1.5),
     p.HeartbeatReply(4, 3),
     p.RoundLostRequest("w", 2, 5.0),
     p.RoundLostReply(True),
@@ -33,6 +37,10 @@ MESSAGES = [
     p.Ack(False),
     p.ErrorReply("no such path /x"),
 ]
+
+
+# Every HeartbeatRequest field but wait_seconds, for bodies that vary that one.
+HB_FIELDS = '"worker_id": "w", "known_generation": 0, "known_broken_round": 0'
 
 
 def _id(m):
@@ -84,7 +92,9 @@ def test_optional_default_fields_may_be_left_out():
 
 
 def test_integer_is_accepted_for_a_float_field_and_becomes_float():
-    req = p.decode(p.HeartbeatRequest, '{"worker_id": "w", "known_generation": 0, "wait_seconds": 2}')
+    req = p.decode(
+        p.HeartbeatRequest, '{"worker_id": "w", "known_generation": 0, "known_broken_round": 0, "wait_seconds": 2}'
+    )
     assert req.wait_seconds == 2.0 and type(req.wait_seconds) is float
 
 
@@ -99,6 +109,11 @@ def test_unknown_field_is_refused_naming_it():
 def test_missing_field_is_refused_naming_it():
     with pytest.raises(p.ProtocolError, match=r"RendezvousRequest: missing field 'after_round'"):
         p.decode(p.RendezvousRequest, '{"worker_id": "w"}')
+
+
+def test_heartbeat_request_without_known_broken_round_is_refused():
+    with pytest.raises(p.ProtocolError, match=r"HeartbeatRequest: missing field 'known_broken_round'"):
+        p.decode(p.HeartbeatRequest, '{"worker_id": "w", "known_generation": 0, "wait_seconds": 1}')
 
 
 @pytest.mark.parametrize(
@@ -120,7 +135,7 @@ def test_wrong_type_is_refused_naming_field_and_types(body, where, expected):
 
 def test_bool_is_not_a_float():
     with pytest.raises(p.ProtocolError, match=r"HeartbeatRequest.wait_seconds: expected float, got bool"):
-        p.decode(p.HeartbeatRequest, '{"worker_id": "w", "known_generation": 0, "wait_seconds": false}')
+        p.decode(p.HeartbeatRequest, f'{{{HB_FIELDS}, "wait_seconds": false}}')
 
 
 def test_int_is_not_a_bool():
@@ -132,7 +147,9 @@ def test_int_is_not_a_bool():
     ("cls", "body", "field"),
     [
         (p.RendezvousRequest, '{"worker_id": "w", "after_round": -1}', "after_round"),
-        (p.HeartbeatRequest, '{"worker_id": "w", "known_generation": 0, "wait_seconds": -0.5}', "wait_seconds"),
+        (p.HeartbeatRequest, f'{{{HB_FIELDS}, "wait_seconds": -0.5}}', "wait_seconds"),
+        (p.HeartbeatRequest, '{"worker_id": "w", "known_generation": 0, "known_broken_round": -1, "wait_seconds": 0}',
+         "known_broken_round"),
         (p.RoundLostRequest, '{"worker_id": "w", "round": -3, "wait_seconds": 1}', "round"),
     ],
 )
@@ -186,7 +203,7 @@ def test_to_json_refuses_non_json_values():
 @pytest.mark.parametrize(
     ("cls", "body"),
     [
-        (p.HeartbeatRequest, '{"worker_id": "w", "known_generation": 0, "wait_seconds": NaN}'),
+        (p.HeartbeatRequest, f'{{{HB_FIELDS}, "wait_seconds": NaN}}'),
         (p.RoundLostRequest, '{"worker_id": "w", "round": 1, "wait_seconds": NaN}'),
     ],
 )
@@ -199,6 +216,133 @@ def test_nan_is_not_a_non_negative_number(cls, body):
     ("value", "shown"), [("Infinity", "inf"), ("-Infinity", "-inf"), ("1" + "0" * 400, "an integer too large")]
 )
 def test_number_beyond_float_is_refused_naming_the_field(value, shown):
-    body = f'{{"worker_id": "w", "known_generation": 0, "wait_seconds": {value}}}'
+    body = f'{{{HB_FIELDS}, "wait_seconds": {value}}}'
     with pytest.raises(p.ProtocolError, match=rf"^HeartbeatRequest.wait_seconds: expected a finite number, got {shown}$"):
         p.decode(p.HeartbeatRequest, body)
+
+
+# ----- signing -------------------------------------------------------------------------
+
+SECRET = "0123456789abcdef" * 4
+BODY = p.to_json(p.HeartbeatRequest("w", 0, 0, 1.0))
+
+
+def _auth(headers: dict[str, str]) -> p.RequestAuth:
+    auth = p.parse_request_auth(headers)
+    assert auth is not None
+    return auth
+
+
+def test_request_signature_is_hmac_sha256_of_the_documented_fields():
+    # Pins the wire format: driver and workers of different builds must agree on it.
+    headers = p.sign_request(SECRET, "POST", p.PATH_HEARTBEAT, BODY)
+    fields = ["POST", p.PATH_HEARTBEAT, headers[p.HEADER_TIMESTAMP], headers[p.HEADER_NONCE],
+              hashlib.sha256(BODY).hexdigest()]
+    expected = hmac.new(SECRET.encode(), "\n".join(fields).encode(), hashlib.sha256).hexdigest()
+    assert headers[p.HEADER_SIGNATURE] == expected
+
+
+def test_signed_request_carries_wall_clock_seconds_a_fresh_nonce_and_never_the_secret():
+    before = int(time.time())
+    first = p.sign_request(SECRET, "POST", p.PATH_HEARTBEAT, BODY)
+    second = p.sign_request(SECRET, "POST", p.PATH_HEARTBEAT, BODY)
+    assert set(first) == {p.HEADER_TIMESTAMP, p.HEADER_NONCE, p.HEADER_SIGNATURE}
+    assert before <= int(first[p.HEADER_TIMESTAMP]) <= int(time.time())
+    assert len(first[p.HEADER_NONCE]) == 32 and first[p.HEADER_NONCE] != second[p.HEADER_NONCE]
+    assert first[p.HEADER_SIGNATURE] != second[p.HEADER_SIGNATURE]
+    assert not any(SECRET in value for value in first.values())
+
+
+def test_bearer_scheme_is_gone():
+    assert not hasattr(p, "AUTH_SCHEME") and not hasattr(p, "AUTH_HEADER")
+
+
+def test_signed_request_verifies():
+    auth = _auth(p.sign_request(SECRET, "POST", p.PATH_REPORT, BODY))
+    assert p.verify_request(SECRET, "POST", p.PATH_REPORT, auth, BODY)
+
+
+@pytest.mark.parametrize(
+    ("secret", "method", "path", "body"),
+    [
+        ("f" * 64, "POST", p.PATH_REPORT, BODY),
+        (SECRET[:-1], "POST", p.PATH_REPORT, BODY),
+        (SECRET, "GET", p.PATH_REPORT, BODY),
+        (SECRET, "POST", p.PATH_HEARTBEAT, BODY),
+        (SECRET, "POST", p.PATH_REPORT, BODY + b" "),
+        (SECRET, "POST", p.PATH_REPORT, b""),
+    ],
+    ids=["wrong-secret", "shorter-secret", "method", "path", "body", "empty-body"],
+)
+def test_request_signature_fails_when_anything_signed_differs(secret, method, path, body):
+    auth = _auth(p.sign_request(SECRET, "POST", p.PATH_REPORT, BODY))
+    assert not p.verify_request(secret, method, path, auth, body)
+
+
+def test_request_signature_covers_timestamp_and_nonce():
+    auth = _auth(p.sign_request(SECRET, "POST", p.PATH_REPORT, BODY))
+    other_nonce = "%032x" % (int(auth.nonce, 16) ^ 1)
+    for changed in (auth._replace(timestamp=auth.timestamp + 1), auth._replace(nonce=other_nonce)):
+        assert not p.verify_request(SECRET, "POST", p.PATH_REPORT, changed, BODY)
+
+
+def test_parse_request_auth_reads_the_headers():
+    headers = p.sign_request(SECRET, "POST", p.PATH_REPORT, BODY)
+    assert p.parse_request_auth(headers) == p.RequestAuth(
+        int(headers[p.HEADER_TIMESTAMP]), headers[p.HEADER_NONCE], headers[p.HEADER_SIGNATURE]
+    )
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        (p.HEADER_TIMESTAMP, None), (p.HEADER_NONCE, None), (p.HEADER_SIGNATURE, None),
+        (p.HEADER_TIMESTAMP, ""), (p.HEADER_TIMESTAMP, "-5"), (p.HEADER_TIMESTAMP, "1.5"),
+        (p.HEADER_TIMESTAMP, "0123"), (p.HEADER_TIMESTAMP, "\u0661\u0662"), (p.HEADER_TIMESTAMP, "1" * 17),
+        (p.HEADER_NONCE, "ab" * 15), (p.HEADER_NONCE, "AB" * 16), (p.HEADER_NONCE, "zz" * 16),
+        (p.HEADER_SIGNATURE, "0" * 63), (p.HEADER_SIGNATURE, "A" * 64), (p.HEADER_SIGNATURE, "\xe9" * 64),
+        (p.HEADER_SIGNATURE, "0" * 64 + "\n"),
+    ],
+)
+def test_missing_or_malformed_auth_header_parses_to_none(header, value):
+    headers = p.sign_request(SECRET, "POST", p.PATH_REPORT, BODY)
+    if value is None:
+        del headers[header]
+    else:
+        headers[header] = value
+    assert p.parse_request_auth(headers) is None
+
+
+def test_signed_reply_verifies():
+    nonce = "ab" * 16
+    signature = p.sign_reply(SECRET, 200, nonce, b"{}")
+    assert p.verify_reply(SECRET, 200, nonce, b"{}", signature)
+
+
+def test_reply_signature_is_hmac_sha256_of_the_documented_fields():
+    nonce = "ab" * 16
+    message = "\n".join(["reply", "409", nonce, hashlib.sha256(b"{}").hexdigest()]).encode()
+    assert p.sign_reply(SECRET, 409, nonce, b"{}") == hmac.new(SECRET.encode(), message, hashlib.sha256).hexdigest()
+
+
+def test_reply_signature_of_an_http_status_is_that_of_its_number():
+    assert p.sign_reply(SECRET, HTTPStatus.CONFLICT, "ab" * 16, b"") == p.sign_reply(SECRET, 409, "ab" * 16, b"")
+
+
+@pytest.mark.parametrize(
+    ("secret", "status", "nonce", "body", "signature"),
+    [
+        ("f" * 64, 200, "ab" * 16, b"{}", "good"),
+        (SECRET, 409, "ab" * 16, b"{}", "good"),
+        (SECRET, 200, "cd" * 16, b"{}", "good"),
+        (SECRET, 200, "ab" * 16, b'{"x": 1}', "good"),
+        (SECRET, 200, "ab" * 16, b"{}", None),
+        (SECRET, 200, "ab" * 16, b"{}", ""),
+        (SECRET, 200, "ab" * 16, b"{}", "\xe9" * 64),
+    ],
+    ids=["wrong-secret", "status", "other-request", "body", "missing", "empty", "non-ascii"],
+)
+def test_reply_signature_fails_when_anything_signed_differs(secret, status, nonce, body, signature):
+    if signature == "good":
+        signature = p.sign_reply(SECRET, 200, "ab" * 16, b"{}")
+    assert not p.verify_reply(secret, status, nonce, body, signature)

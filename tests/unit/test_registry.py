@@ -211,20 +211,20 @@ def test_heartbeat_answers_at_once_when_generation_is_newer(reg):
     with reg.cond:
         reg.bump_generation()
         reg.bump_generation()
-    reply = reg.heartbeat(HeartbeatRequest("w0", known_generation=0, wait_seconds=30.0))
+    reply = reg.heartbeat(HeartbeatRequest("w0", known_generation=0, known_broken_round=0, wait_seconds=30.0))
     assert (reply.generation, reply.last_broken_round) == (2, 0)
     assert w.last_heartbeat is not None
 
 
 def test_heartbeat_with_no_wait_answers_current_generation(reg):
     add(reg, "w0")
-    reply = reg.heartbeat(HeartbeatRequest("w0", known_generation=0, wait_seconds=0.0))
+    reply = reg.heartbeat(HeartbeatRequest("w0", known_generation=0, known_broken_round=0, wait_seconds=0.0))
     assert reply.generation == 0
 
 
 def test_heartbeat_long_poll_wakes_on_generation_bump(reg, pool):
     w = add(reg, "w0")
-    fut = pool.submit(reg.heartbeat, HeartbeatRequest("w0", known_generation=0, wait_seconds=30.0))
+    fut = pool.submit(reg.heartbeat, HeartbeatRequest("w0", known_generation=0, known_broken_round=0, wait_seconds=30.0))
     wait_until(reg, lambda: w.last_heartbeat is not None)
     with reg.cond:
         reg.bump_generation()
@@ -236,16 +236,55 @@ def test_heartbeat_reports_highest_broken_round(reg):
     with reg.cond:
         reg.mark_round_broken(3)
         reg.mark_round_broken(1)
-    assert reg.heartbeat(HeartbeatRequest("w0", 0, 0.0)).last_broken_round == 3
+    assert reg.heartbeat(HeartbeatRequest("w0", 0, 0, 0.0)).last_broken_round == 3
+
+
+@pytest.fixture
+def frozen(pool) -> Iterator[tuple[Registry, FakeClock]]:
+    """A registry whose clock stands still: its long polls end only by waking, never by timing out.
+
+    Depends on ``pool`` so it is torn down first, freeing a poll that failed to wake.
+    """
+    clock = FakeClock()
+    reg = Registry(clock)
+    yield reg, clock
+    with reg.cond:  # let a poll that failed to wake end, so the pool can shut down
+        clock.now += 3600
+        reg.cond.notify_all()
+
+
+def test_heartbeat_answers_at_once_when_a_round_broke_after_the_known_one(frozen, pool):
+    reg, _ = frozen
+    add(reg, "w0")
+    with reg.cond:
+        reg.mark_round_broken(2)
+    fut = pool.submit(reg.heartbeat, HeartbeatRequest("w0", known_generation=0, known_broken_round=1, wait_seconds=30.0))
+    reply = fut.result(timeout=PROMPT)
+    assert (reply.generation, reply.last_broken_round) == (0, 2)
+
+
+def test_heartbeat_long_poll_wakes_when_a_round_breaks(frozen, pool):
+    reg, _ = frozen
+    w = add(reg, "w0")
+    with reg.cond:
+        reg.mark_round_broken(3)
+    fut = pool.submit(reg.heartbeat, HeartbeatRequest("w0", known_generation=0, known_broken_round=3, wait_seconds=30.0))
+    # Once the heartbeat is recorded, the poll has checked the broken round it already
+    # knows (3) under the lock; answering then would report 3, not the 4 marked below.
+    wait_until(reg, lambda: w.last_heartbeat is not None)
+    with reg.cond:
+        reg.mark_round_broken(4)
+    reply = fut.result(timeout=PROMPT)
+    assert (reply.generation, reply.last_broken_round) == (0, 4)
 
 
 def test_heartbeat_of_unknown_or_finished_worker_is_refused(reg):
     w = add(reg, "w0")
     with pytest.raises(UnknownWorker):
-        reg.heartbeat(HeartbeatRequest("other", 0, 0.0))
+        reg.heartbeat(HeartbeatRequest("other", 0, 0, 0.0))
     finish(reg, w, WorkerState.FAILED)
     with pytest.raises(UnknownWorker):
-        reg.heartbeat(HeartbeatRequest("w0", 0, 0.0))
+        reg.heartbeat(HeartbeatRequest("w0", 0, 0, 0.0))
 
 
 # ----- round_lost ----------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import secrets
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
@@ -14,14 +16,30 @@ import requests
 
 from launcher.hosts import SlotAssignment, SlotKey
 from launcher.registry import Registry, WorkerState
-from launcher.rendezvous_server import MAX_BODY, RendezvousServer
+from launcher.rendezvous_server import MAX_BODY, TIMESTAMP_WINDOW, RendezvousServer
 from lightning_elastic import protocol as p
+from lightning_elastic.client import DriverClient
+from lightning_elastic.errors import RendezvousError
 
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = "0123456789abcdef" * 4
-AUTH = {p.AUTH_HEADER: f"{p.AUTH_SCHEME} {SECRET}"}
 TIMEOUT = 10.0  # every HTTP call is bounded
+
+
+def sign(path: str, body: bytes = b"", secret: str = SECRET, timestamp: int | None = None) -> dict[str, str]:
+    """Signing headers for one request; at the given wall-clock ``timestamp`` if one is given."""
+    if timestamp is None:
+        return p.sign_request(secret, "POST", path, body)
+    nonce = secrets.token_hex(16)
+    signature = p.request_signature(secret, "POST", path, timestamp, nonce, body)
+    return {p.HEADER_TIMESTAMP: str(timestamp), p.HEADER_NONCE: nonce, p.HEADER_SIGNATURE: signature}
+
+
+def signed_by_driver(r: requests.Response) -> bool:
+    """Is ``r`` signed with the job's secret for the request it answers?"""
+    nonce = r.request.headers[p.HEADER_NONCE]
+    return p.verify_reply(SECRET, r.status_code, nonce, r.content, r.headers.get(p.HEADER_SIGNATURE))
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +89,16 @@ def rejected(server) -> Callable[[], int]:
     return lambda: server.rejected - baseline
 
 
-def post(server: RendezvousServer, path: str, body, headers=AUTH) -> requests.Response:
-    data = p.to_json(body) if not isinstance(body, (bytes, str)) else body
+def post(server: RendezvousServer, path: str, body, headers: dict[str, str] | None = None) -> requests.Response:
+    """POST ``body`` (a message or bytes), signed for ``path`` unless ``headers`` are given."""
+    data = body if isinstance(body, bytes) else p.to_json(body)
+    if headers is None:
+        headers = sign(path, data)
     return requests.post(server.url + path, data=data, headers=headers, timeout=TIMEOUT)
 
 
 def heartbeat(worker_id: str) -> p.HeartbeatRequest:
-    return p.HeartbeatRequest(worker_id, known_generation=0, wait_seconds=0.0)
+    return p.HeartbeatRequest(worker_id, known_generation=0, known_broken_round=0, wait_seconds=0.0)
 
 
 def form_round(registry: Registry, *worker_ids: str, store_port: int = 1) -> int:
@@ -102,9 +123,10 @@ def test_valid_heartbeat_is_answered(server, registry, w, rejected):
     with registry.cond:
         known = registry.generation
         registry.bump_generation()
-    r = post(server, p.PATH_HEARTBEAT, p.HeartbeatRequest(w[0], known, 0.0))
+    r = post(server, p.PATH_HEARTBEAT, p.HeartbeatRequest(w[0], known, 0, 0.0))
     assert r.status_code == 200
     assert r.headers["Content-Type"] == "application/json"
+    assert signed_by_driver(r)
     assert p.decode(p.HeartbeatReply, r.content).generation == known + 1
     assert registry.workers[w[0]].last_heartbeat is not None
     assert rejected() == 0
@@ -158,25 +180,337 @@ def test_leaving_worker_is_told_to_exit_over_http(server, registry, w):
 # ----- authentication ------------------------------------------------------------------
 
 
+def _without(header: str) -> Callable[[str, bytes], dict[str, str]]:
+    def headers(path: str, body: bytes) -> dict[str, str]:
+        signed = sign(path, body)
+        del signed[header]
+        return signed
+    return headers
+
+
 @pytest.mark.parametrize(
-    "headers",
+    "make_headers",
     [
-        {},
-        {p.AUTH_HEADER: f"{p.AUTH_SCHEME} wrong"},
-        {p.AUTH_HEADER: f"{p.AUTH_SCHEME} {SECRET}x"},
-        {p.AUTH_HEADER: f"{p.AUTH_SCHEME} {SECRET[:-1]}"},
-        {p.AUTH_HEADER: f"Basic {SECRET}"},
-        {p.AUTH_HEADER: f"{p.AUTH_SCHEME}"},
-        {p.AUTH_HEADER: SECRET},
+        lambda path, body: {},
+        _without(p.HEADER_TIMESTAMP),
+        _without(p.HEADER_NONCE),
+        _without(p.HEADER_SIGNATURE),
+        lambda path, body: {**sign(path, body), p.HEADER_NONCE: "not-hex"},
+        lambda path, body: {"Authorization": f"Bearer {SECRET}"},  # the old scheme: no longer accepted
     ],
-    ids=["missing", "wrong", "longer", "shorter", "basic-scheme", "no-token", "no-scheme"],
+    ids=["none", "no-timestamp", "no-nonce", "no-signature", "malformed-nonce", "bearer-secret"],
 )
-def test_missing_or_wrong_secret_is_401_and_never_reaches_the_registry(server, registry, w, rejected, headers):
-    r = post(server, p.PATH_REPORT, p.Report(w[0], 1, p.Outcome.DONE), headers=headers)
+def test_missing_or_malformed_signature_headers_are_401(server, registry, w, rejected, make_headers):
+    body = p.to_json(p.Report(w[0], 1, p.Outcome.DONE))
+    r = post(server, p.PATH_REPORT, body, headers=make_headers(p.PATH_REPORT, body))
     assert r.status_code == 401
-    assert p.decode(p.ErrorReply, r.content).error == "missing or wrong job secret"
+    assert p.decode(p.ErrorReply, r.content).error == "missing or malformed signature headers"
+    assert p.HEADER_SIGNATURE not in r.headers  # no verified nonce to sign the reply for
     assert registry.workers[w[0]].report is None
     assert rejected() == 1
+
+
+def _tampered(what: str, worker_id: str) -> tuple[str, bytes, dict[str, str]]:
+    """(path, body, headers) of a report whose signature does not match what is sent."""
+    path, body = p.PATH_REPORT, p.to_json(p.Report(worker_id, 1, p.Outcome.DONE))
+    if what == "wrong-secret":
+        return path, body, sign(path, body, secret="f" * 64)
+    if what == "body":
+        return path, body, sign(path, p.to_json(p.Report(worker_id, 1, p.Outcome.FAILED)))
+    if what == "path":
+        return path, body, sign(p.PATH_HEARTBEAT, body)
+    headers = sign(path, body)
+    if what == "timestamp":
+        headers[p.HEADER_TIMESTAMP] = str(int(headers[p.HEADER_TIMESTAMP]) - 1)
+    elif what == "nonce":
+        headers[p.HEADER_NONCE] = "%032x" % (int(headers[p.HEADER_NONCE], 16) ^ 1)
+    else:
+        headers[p.HEADER_SIGNATURE] = "%064x" % (int(headers[p.HEADER_SIGNATURE], 16) ^ 1)
+    return path, body, headers
+
+
+@pytest.mark.parametrize("what", ["wrong-secret", "body", "path", "timestamp", "nonce", "signature"])
+def test_bad_signature_is_401_unsigned_and_never_reaches_the_registry(server, registry, w, rejected, what):
+    path, body, headers = _tampered(what, w[0])
+    r = post(server, path, body, headers=headers)
+    assert r.status_code == 401
+    assert p.decode(p.ErrorReply, r.content).error == "bad signature (wrong job secret?)"
+    assert p.HEADER_SIGNATURE not in r.headers
+    assert registry.workers[w[0]].report is None
+    assert rejected() == 1
+
+
+def test_signed_report_is_accepted_and_its_reply_signed(server, registry, w, rejected):
+    # The control for the tests above: the same request, correctly signed, goes through.
+    report = p.Report(w[0], 1, p.Outcome.DONE)
+    r = post(server, p.PATH_REPORT, report)
+    assert r.status_code == 200 and signed_by_driver(r)
+    assert registry.workers[w[0]].report == report
+    assert rejected() == 0
+
+
+def test_replayed_request_is_401_and_counted(server, registry, w, rejected):
+    body = p.to_json(p.Report(w[0], 1, p.Outcome.DONE))
+    headers = sign(p.PATH_REPORT, body)
+    assert post(server, p.PATH_REPORT, body, headers=headers).status_code == 200
+    with registry.cond:
+        registry.workers[w[0]].report = None
+    replay = post(server, p.PATH_REPORT, body, headers=headers)
+    assert replay.status_code == 401
+    assert p.decode(p.ErrorReply, replay.content).error == "replayed request (nonce already seen)"
+    assert registry.workers[w[0]].report is None
+    assert rejected() == 1
+    # The same message signed afresh (as the client does when it retries) is accepted.
+    assert post(server, p.PATH_REPORT, body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [("/v1/nope", b"{}", 404), (p.PATH_HEARTBEAT, b"{}", 400), (p.PATH_HEARTBEAT, None, 409)],
+    ids=["404", "400", "409"],
+)
+def test_refusal_of_an_authenticated_request_is_signed(server, path, body, status):
+    r = post(server, path, heartbeat("ghost") if body is None else body)
+    assert r.status_code == status
+    assert signed_by_driver(r)
+
+
+# ----- timestamps and replays, on a server with a settable wall clock ------------------
+
+
+class WallClock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def clocked_service() -> Iterator[tuple[Registry, RendezvousServer, WallClock]]:
+    clock = WallClock()
+    reg = Registry()
+    with reg.cond:
+        reg.add_worker("cw", SlotKey("127.0.0.1", 0))
+    srv = RendezvousServer(reg, SECRET, wall_clock=clock)
+    srv.start()
+    try:
+        yield reg, srv, clock
+    finally:
+        closer = threading.Thread(target=srv.close, daemon=True)
+        closer.start()
+        closer.join(timeout=10)
+
+
+@pytest.fixture
+def clocked(clocked_service) -> tuple[RendezvousServer, WallClock, Callable[[], int]]:
+    """The clocked server, its clock moved a day past anything an earlier test used, and a
+    count of its rejections since the test started."""
+    _, srv, clock = clocked_service
+    clock.now += 86_400
+    baseline = srv.rejected
+    return srv, clock, lambda: srv.rejected - baseline
+
+
+def _clocked_heartbeat(srv: RendezvousServer, timestamp: float, headers: dict[str, str] | None = None):
+    body = p.to_json(heartbeat("cw"))
+    headers = headers or sign(p.PATH_HEARTBEAT, body, timestamp=int(timestamp))
+    return post(srv, p.PATH_HEARTBEAT, body, headers=headers), headers
+
+
+@pytest.mark.parametrize("offset", [-TIMESTAMP_WINDOW, 0, TIMESTAMP_WINDOW])
+def test_timestamp_within_the_window_is_accepted(clocked, offset):
+    srv, clock, rejected = clocked
+    r, _ = _clocked_heartbeat(srv, clock.now + offset)
+    assert r.status_code == 200
+    assert rejected() == 0
+
+
+@pytest.mark.parametrize("offset", [-TIMESTAMP_WINDOW - 1, TIMESTAMP_WINDOW + 1, -10 * 86_400],
+                         ids=["stale", "future", "old"])
+def test_timestamp_outside_the_window_is_401_signed_and_counted(clocked, offset):
+    srv, clock, rejected = clocked
+    r, _ = _clocked_heartbeat(srv, clock.now + offset)
+    assert r.status_code == 401
+    assert p.decode(p.ErrorReply, r.content).error.startswith("timestamp outside 300 s of the driver's clock")
+    # Signed: the request is genuine, so its sender can trust the reason (its clock is off).
+    assert signed_by_driver(r)
+    assert rejected() == 1
+
+
+def test_seen_nonces_are_forgotten_once_outside_the_window(clocked):
+    srv, clock, _ = clocked
+    start = clock.now
+    for _ in range(3):
+        assert _clocked_heartbeat(srv, start)[0].status_code == 200
+    assert len(srv._seen_nonces) >= 3
+    clock.now = start + TIMESTAMP_WINDOW + 1
+    assert _clocked_heartbeat(srv, clock.now)[0].status_code == 200
+    assert len(srv._seen_nonces) == len(srv._nonce_expiry) == 1  # only the newest remains
+
+
+def test_forgotten_nonce_cannot_be_replayed_even_if_the_clock_steps_back(clocked):
+    srv, clock, rejected = clocked
+    start = clock.now
+    first, headers = _clocked_heartbeat(srv, start)
+    assert first.status_code == 200
+    clock.now = start + TIMESTAMP_WINDOW + 1
+    assert _clocked_heartbeat(srv, clock.now)[0].status_code == 200  # prunes the first nonce
+    clock.now = start  # e.g. an NTP step back: the first request's timestamp is "recent" again
+    replay, _ = _clocked_heartbeat(srv, start, headers=headers)
+    assert replay.status_code == 401
+    assert rejected() == 1
+
+
+# ----- the client: signs its requests, checks the replies -------------------------------
+
+
+def test_client_requests_are_accepted_and_replies_verified(server, registry, w, rejected):
+    client = DriverClient(server.url, SECRET, w[0])
+    try:
+        assert client.heartbeat(registry.generation, 0, 0.0).generation == registry.generation
+        client.report(1, p.Outcome.DONE, "fine")
+    finally:
+        client.close()
+    assert registry.workers[w[0]].report == p.Report(w[0], 1, p.Outcome.DONE, "fine")
+    assert rejected() == 0
+
+
+def test_client_with_the_wrong_secret_is_refused(server, registry, w, rejected):
+    client = DriverClient(server.url, "f" * 64, w[0])
+    try:
+        with pytest.raises(RendezvousError, match=r"failed authentication: unsigned reply with status 401 .*wrong job secret"):
+            client.report(1, p.Outcome.DONE)
+    finally:
+        client.close()
+    assert registry.workers[w[0]].report is None
+    assert rejected() == 1
+
+
+class FakeDriver:
+    """A raw-socket stand-in for the driver, one connection per answer.
+
+    Records the exact bytes of every request and answers each with
+    ``answer(headers, body)`` -> (status, reply body, signature header or None), or None
+    to close the connection without a reply.
+    """
+
+    def __init__(self, *answers: Callable[[dict[str, str], bytes], tuple[int, bytes, str | None] | None]) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(TIMEOUT)
+        self.url = "http://127.0.0.1:%d" % self._sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self.headers: list[dict[str, str]] = []
+        self._thread = threading.Thread(target=self._serve, args=(answers,), daemon=True)
+        self._thread.start()
+
+    def _serve(self, answers) -> None:
+        for answer in answers:
+            conn, _ = self._sock.accept()
+            with conn:
+                conn.settimeout(TIMEOUT)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    assert chunk, "the client closed the connection before its request was complete"
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")[1:]
+                headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+                while len(body) < int(headers.get("content-length", "0")):
+                    body += conn.recv(65536)
+                self.received.append(data[: len(head) + 4] + body)
+                self.headers.append(headers)
+                result = answer(headers, body)
+                if result is None:
+                    continue
+                status, reply, signature = result
+                extra = f"{p.HEADER_SIGNATURE}: {signature}\r\n" if signature is not None else ""
+                conn.sendall(
+                    f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(reply)}\r\n"
+                    f"Connection: close\r\n{extra}\r\n".encode() + reply
+                )
+
+    def close(self) -> None:
+        self._thread.join(TIMEOUT)
+        self._sock.close()
+        assert not self._thread.is_alive(), "the fake driver did not get all the requests it expected"
+
+
+ACK = p.to_json(p.Ack())
+
+
+def _good(headers: dict[str, str], body: bytes) -> tuple[int, bytes, str]:
+    return 200, ACK, p.sign_reply(SECRET, 200, headers[p.HEADER_NONCE.lower()], ACK)
+
+
+def _ask(driver: FakeDriver) -> None:
+    client = DriverClient(driver.url, SECRET, "w")
+    try:
+        client.report(1, p.Outcome.DONE)
+    finally:
+        client.close()
+        driver.close()
+
+
+def test_client_accepts_a_reply_signed_for_its_request():
+    _ask(FakeDriver(_good))  # the control for the tampered replies below
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda h, b: (200, ACK, None),
+        lambda h, b: (200, ACK, p.sign_reply("f" * 64, 200, h[p.HEADER_NONCE.lower()], ACK)),
+        lambda h, b: (200, ACK, p.sign_reply(SECRET, 200, secrets.token_hex(16), ACK)),
+        lambda h, b: (200, p.to_json(p.Ack(False)), p.sign_reply(SECRET, 200, h[p.HEADER_NONCE.lower()], ACK)),
+        lambda h, b: (200, ACK, p.sign_reply(SECRET, 409, h[p.HEADER_NONCE.lower()], ACK)),
+        lambda h, b: (200, ACK, "0" * 64),
+    ],
+    ids=["unsigned", "wrong-secret", "other-request", "tampered-body", "tampered-status", "garbage"],
+)
+def test_client_refuses_a_reply_not_signed_for_its_request(answer):
+    with pytest.raises(RendezvousError, match=r"^reply from the driver at http://127\.0\.0\.1:\d+ failed authentication: "):
+        _ask(FakeDriver(answer))
+
+
+def test_unsigned_409_cannot_stop_a_workers_heartbeats():
+    # The heartbeat thread ends on "(409)" in the error; a spoofer must not trigger that.
+    driver = FakeDriver(lambda h, b: (409, p.to_json(p.ErrorReply("(409)")), None))
+    client = DriverClient(driver.url, SECRET, "w")
+    try:
+        with pytest.raises(RendezvousError) as info:
+            client.heartbeat(0, 0, 0.0)
+    finally:
+        client.close()
+        driver.close()
+    assert "(409)" not in str(info.value) and "failed authentication" in str(info.value)
+
+
+def test_client_never_sends_the_secret_and_signs_what_it_sends():
+    driver = FakeDriver(lambda h, b: (200, p.to_json(p.HeartbeatReply(0, 0)),
+                                      p.sign_reply(SECRET, 200, h[p.HEADER_NONCE.lower()],
+                                                   p.to_json(p.HeartbeatReply(0, 0)))))
+    client = DriverClient(driver.url, SECRET, "w")
+    try:
+        client.heartbeat(5, 3, 0.0)
+    finally:
+        client.close()
+        driver.close()
+    (raw,) = driver.received
+    assert SECRET.encode() not in raw and SECRET.upper().encode() not in raw
+    assert b"Authorization" not in raw
+    headers, body = driver.headers[0], raw.partition(b"\r\n\r\n")[2]
+    assert p.decode(p.HeartbeatRequest, body) == p.HeartbeatRequest("w", 5, 3, 0.0)
+    auth = p.parse_request_auth({k: headers[k.lower()] for k in (p.HEADER_TIMESTAMP, p.HEADER_NONCE, p.HEADER_SIGNATURE)})
+    assert auth is not None and p.verify_request(SECRET, "POST", p.PATH_HEARTBEAT, auth, body)
+
+
+def test_client_signs_every_attempt_afresh():
+    driver = FakeDriver(lambda h, b: None, _good)  # the first connection closes unanswered: the client retries
+    _ask(driver)
+    first, second = (h[p.HEADER_NONCE.lower()] for h in driver.headers)
+    assert first != second
 
 
 # ----- routing and form ----------------------------------------------------------------
@@ -191,7 +525,7 @@ def test_unknown_path_is_404(server, w, rejected, path):
 
 
 def test_get_is_not_supported(server):
-    r = requests.get(server.url + p.PATH_HEARTBEAT, headers=AUTH, timeout=TIMEOUT)
+    r = requests.get(server.url + p.PATH_HEARTBEAT, headers=sign(p.PATH_HEARTBEAT), timeout=TIMEOUT)
     assert r.status_code == 501
 
 
@@ -201,10 +535,11 @@ def test_get_is_not_supported(server):
         (b"not json", "HeartbeatRequest: body is not valid JSON"),
         (b"", "HeartbeatRequest: body is not valid JSON"),
         (b"[1, 2]", "HeartbeatRequest: expected a JSON object, got list"),
-        (b'{"worker_id": "w", "known_generation": 0}', "HeartbeatRequest: missing field 'wait_seconds'"),
-        (b'{"worker_id": "w", "known_generation": "0", "wait_seconds": 0}',
+        (b'{"worker_id": "w", "known_generation": 0, "known_broken_round": 0}',
+         "HeartbeatRequest: missing field 'wait_seconds'"),
+        (b'{"worker_id": "w", "known_generation": "0", "known_broken_round": 0, "wait_seconds": 0}',
          "HeartbeatRequest.known_generation: expected int, got str"),
-        (b'{"worker_id": "w", "known_generation": 0, "wait_seconds": 0, "admin": true}',
+        (b'{"worker_id": "w", "known_generation": 0, "known_broken_round": 0, "wait_seconds": 0, "admin": true}',
          "HeartbeatRequest: unknown field(s) admin"),
     ],
 )
@@ -226,6 +561,7 @@ def test_oversized_body_is_rejected_unread(server, registry, w, rejected):
     r = post(server, p.PATH_REPORT, body)
     assert r.status_code == 400
     assert p.decode(p.ErrorReply, r.content).error == f"Content-Length must be 0..{MAX_BODY}"
+    assert p.HEADER_SIGNATURE not in r.headers  # the signature was never checked: the body is unread
     assert rejected() == 1
 
 
@@ -255,12 +591,12 @@ def _raw_post(server: RendezvousServer, headers: dict[str, str], body: bytes = b
 
 @pytest.mark.parametrize("length", ["-1", "abc", str(MAX_BODY + 1)])
 def test_bad_content_length_header_is_400(server, rejected, length):
-    assert _raw_post(server, {**AUTH, "Content-Length": length}) == 400
+    assert _raw_post(server, {**sign(p.PATH_HEARTBEAT), "Content-Length": length}) == 400
     assert rejected() == 1
 
 
 def test_missing_content_length_is_an_empty_body(server):
-    assert _raw_post(server, AUTH) == 400
+    assert _raw_post(server, sign(p.PATH_HEARTBEAT)) == 400  # signed, but b"" is not a HeartbeatRequest
 
 
 def test_unknown_worker_is_409(server):
@@ -290,24 +626,26 @@ def test_server_stops_listening_after_close():
     url = srv.url
     srv.close()
     with pytest.raises(requests.ConnectionError):
-        requests.post(url + p.PATH_HEARTBEAT, data=p.to_json(heartbeat("w")), headers=AUTH, timeout=TIMEOUT)
+        body = p.to_json(heartbeat("w"))
+        requests.post(url + p.PATH_HEARTBEAT, data=body, headers=sign(p.PATH_HEARTBEAT, body), timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize(
     ("path", "headers"),
-    [("/v1/nope", AUTH), (p.PATH_HEARTBEAT, {p.AUTH_HEADER: "Bearer wrong"})],
-    ids=["after-404", "after-401"],
+    [("/v1/nope", SECRET), (p.PATH_HEARTBEAT, None), (p.PATH_HEARTBEAT, "f" * 64)],
+    ids=["after-404", "after-401-unsigned", "after-401-bad-signature"],
 )
 def test_rejected_request_does_not_spoil_the_next_one_on_the_connection(server, w, path, headers):
     parts = urlsplit(server.url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=TIMEOUT)
     body = p.to_json(heartbeat(w[0]))
+    headers = {} if headers is None else sign(path, body, secret=headers)  # the secret to sign with
     try:
         conn.request("POST", path, body=body, headers=headers)
         first = conn.getresponse()
         first.read()
         assert first.status in (401, 404)
-        conn.request("POST", p.PATH_HEARTBEAT, body=body, headers=AUTH)  # same connection
+        conn.request("POST", p.PATH_HEARTBEAT, body=body, headers=sign(p.PATH_HEARTBEAT, body))  # same connection
         second = conn.getresponse()
         second.read()
         assert second.status == 200
@@ -325,14 +663,15 @@ def test_body_of_unknown_length_is_left_unread_and_the_connection_closed(server,
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=TIMEOUT)
     try:
         conn.putrequest("POST", p.PATH_HEARTBEAT, skip_accept_encoding=True)
-        for name, value in {**AUTH, **headers}.items():
+        for name, value in {**sign(p.PATH_HEARTBEAT, b"{}"), **headers}.items():
             conn.putheader(name, value)
         conn.endheaders(b"{}")
         first = conn.getresponse()
         first.read()
         assert first.status == 400 and first.getheader("Connection") == "close"
         # http.client opens a new connection for the next request, which is answered.
-        conn.request("POST", p.PATH_HEARTBEAT, body=p.to_json(heartbeat(w[0])), headers=AUTH)
+        body = p.to_json(heartbeat(w[0]))
+        conn.request("POST", p.PATH_HEARTBEAT, body=body, headers=sign(p.PATH_HEARTBEAT, body))
         second = conn.getresponse()
         second.read()
         assert second.status == 200

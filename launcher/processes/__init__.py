@@ -1,0 +1,6 @@
+"""Starting, signalling and reaping worker processes: locally or on other machines over ssh.
+
+``base`` is the contract the driver uses; ``local`` and ``ssh`` implement it; ``supervisor``
+runs on the remote host under ssh. Kept free of heavy imports: the supervisor imports
+this package on every remote start.
+"""

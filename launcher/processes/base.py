@@ -1,0 +1,117 @@
+"""The contract between the driver and whatever starts worker processes.
+
+The driver decides *which* workers run and when; a ``WorkerLauncher`` only starts one from
+a ``WorkerSpec`` and hands back a ``WorkerProcess`` to poll, signal and reap. Local
+subprocesses and ssh are the two implementations here; a cluster engine (Ray) or a
+simulation plugs in the same way without touching the driver's decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one worker, on any host.
+
+    ``env`` holds the job's own variables (rank plan, driver address, PYTHONPATH with the
+    autoload directory, ``-x`` values); each launcher lays them over the host's own
+    environment. ``secret`` is kept apart: a launcher must hand it over without putting it
+    on a command line or in the environment (where ``ps`` shows it).
+    """
+
+    worker_id: str
+    host: str
+    command: tuple[str, ...]
+    env: Mapping[str, str]
+    secret: str
+    cwd: str
+    log_file: Path | None = None
+
+
+class WorkerProcess(Protocol):
+    """A started worker, as the driver sees it."""
+
+    @property
+    def pid(self) -> int:
+        """A local process id to name it in logs (for ssh: the ssh client's)."""
+        ...
+
+    def poll(self) -> int | None:
+        """None while running; else the exit status (negative: killed by that signal)."""
+        ...
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the worker and everything it started; never raises once it exited."""
+        ...
+
+    def wait(self, timeout: float) -> int | None:
+        """Like ``poll`` after waiting at most ``timeout`` seconds for the exit."""
+        ...
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) until the exited worker's output has all been forwarded."""
+        ...
+
+    def exit_detail(self) -> str:
+        """Why the process ended, beyond its status (e.g. the ssh error), or ''."""
+        ...
+
+
+class WorkerLauncher(Protocol):
+    def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> WorkerProcess:
+        """Start the worker; ``prefix()`` is read for every output line (the rank can change)."""
+        ...
+
+
+class HostRouter:
+    """Local hosts to one launcher, every other host to another (ssh)."""
+
+    def __init__(
+        self, local: WorkerLauncher, remote: WorkerLauncher, is_local: Callable[[str], bool]
+    ) -> None:
+        self._local = local
+        self._remote = remote
+        self._is_local = is_local
+
+    def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> WorkerProcess:
+        launcher = self._local if self._is_local(spec.host) else self._remote
+        return launcher.start(spec, prefix)
+
+
+def stop_all(processes: Sequence[WorkerProcess], grace: float) -> None:
+    """SIGTERM every process, then SIGKILL those still running after ``grace`` seconds.
+
+    SIGTERM first lets a worker clean up (close files, leave its process group); SIGKILL
+    after a bound because a hung or SIGSTOPped worker would never act on SIGTERM.
+    """
+    running = [p for p in processes if p.poll() is None]
+    for p in running:
+        p.signal(signal.SIGTERM)
+        p.signal(signal.SIGCONT)  # a stopped process only sees SIGTERM once continued
+    for p in running:
+        if p.wait(grace) is None:
+            log.warning("Worker process %d ignored SIGTERM for %.0f s: killing it.", p.pid, grace)
+            p.signal(signal.SIGKILL)
+            p.wait(grace)
+    for p in processes:
+        p.finish_output()
+
+
+def describe_status(status: int) -> str:
+    """``exited with status 3`` / ``was killed by SIGKILL``, for failure messages."""
+    if status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+

@@ -1,0 +1,59 @@
+"""Worker processes on this machine: a subprocess per worker, its output prefixed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from typing import IO
+
+from launcher.network import collective_interface_env
+from launcher.processes.base import WorkerSpec
+from launcher.processes.output import LineForwarder
+from launcher.processes.spawn import signal_group, spawn_worker
+from lightning_elastic.protocol import ENV_SECRET_FD
+
+
+class LocalLauncher:
+    """Starts workers as children of the driver, with the driver's environment underneath."""
+
+    def __init__(self, out: IO[str] | None = None) -> None:
+        self._out = out
+
+    def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> LocalProcess:
+        env = {**os.environ, **spec.env}
+        if "MASTER_ADDR" in env:  # collectives go out through the interface that reaches the driver
+            env.update(collective_interface_env(env, env["MASTER_ADDR"]))
+        proc = spawn_worker(spec.command, env, spec.secret, spec.cwd, subprocess.PIPE, ENV_SECRET_FD)
+        assert proc.stdout is not None
+        forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._out, f"output-{proc.pid}")
+        forwarder.start()
+        return LocalProcess(proc, forwarder)
+
+
+class LocalProcess:
+    def __init__(self, proc: subprocess.Popen[bytes], forwarder: LineForwarder) -> None:
+        self._proc = proc
+        self._forwarder = forwarder
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def signal(self, sig: int) -> None:
+        signal_group(self._proc.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        self._forwarder.join(timeout)
+
+    def exit_detail(self) -> str:
+        return ""

@@ -1,0 +1,79 @@
+"""Starting one worker process on the machine it runs on (used locally and by the ssh supervisor).
+
+The worker runs in its own session (process group), so a signal reaches every process it
+started (data-loader workers); it gets SIGKILL when its parent dies (PR_SET_PDEATHSIG), so
+it never outlives the driver or the supervisor even when they are SIGKILLed. The job
+secret reaches it through an inherited pipe, never the command line or the environment,
+where ``ps`` would show it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the driver's own shutdown path still stops workers
+
+
+def die_with_parent_preexec() -> object:
+    """``preexec_fn`` for any child that must not outlive this process (None off Linux)."""
+    return _die_with_parent if sys.platform.startswith("linux") else None
+
+
+def spawn_worker(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    secret: str,
+    cwd: str | None,
+    stdout: int | IO[bytes],
+    secret_fd_variable: str,
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` with ``secret`` readable once from the fd in ``secret_fd_variable``.
+
+    stdout and stderr both go to ``stdout`` (a pipe or an inherited descriptor). This module
+    is standard-library only: the ssh supervisor imports it on hosts where importing the
+    worker runtime (torch) would cost seconds per start.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        # 64 bytes fit in any pipe buffer: the write cannot block before the child reads.
+        os.write(write_end, secret.encode())
+        os.close(write_end)
+        write_end = -1
+        child_env = dict(env)
+        child_env[secret_fd_variable] = str(read_end)
+        return subprocess.Popen(
+            list(command),
+            env=child_env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=(read_end,),
+            preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
+        )
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal the worker's whole process group; a group that is gone is not an error."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,180 @@
+"""Workers on other machines, started through the system OpenSSH client.
+
+As with horovodrun and mpirun, hosts share a filesystem (or have the same paths): the
+remote side runs ``cd CWD && exec PYTHON -m launcher.processes.supervisor`` with the
+driver's own interpreter and working directory. The supervisor receives the command, the
+environment and the job secret on stdin (inside the encrypted channel), starts the worker
+and reports its exit status on stderr; see ``supervisor.py`` for that small protocol.
+
+The ssh client runs in BatchMode (never prompts), with a connect timeout and keep-alives,
+and dies with the driver (PR_SET_PDEATHSIG): the closed connection then makes the
+supervisor SIGKILL the worker, so no remote worker outlives the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO
+
+from launcher.config import SshSettings
+from launcher.processes.base import WorkerSpec
+from launcher.processes.output import LineForwarder
+from launcher.processes.spawn import die_with_parent_preexec
+from launcher.processes.supervisor import MARK
+from lightning_elastic.protocol import ENV_SECRET_FD
+
+log = logging.getLogger(__name__)
+
+# The driver's variables a remote worker gets besides the job's own ones and -x.
+FORWARDED_BY_DEFAULT = ("PATH", "PYTHONPATH", "VIRTUAL_ENV")
+STDERR_KEPT = 20  # lines of ssh's own stderr kept to explain a failure
+
+
+def ssh_argv(settings: SshSettings, host: str) -> list[str]:
+    """The ssh client's arguments up to (and including) the host.
+
+    The user's ``-o`` options come first: ssh keeps the first value it sees for an option,
+    so theirs override our defaults.
+    """
+    argv = ["ssh", "-T"]
+    for option in settings.options:
+        argv += ["-o", option]
+    argv += [
+        "-o", "BatchMode=yes",
+        "-o", f"ConnectTimeout={max(1, round(settings.connect_timeout))}",
+        "-o", f"ServerAliveInterval={max(1, round(settings.server_alive_interval))}",
+        "-o", f"ServerAliveCountMax={settings.server_alive_count}",
+    ]
+    if settings.port is not None:
+        argv += ["-p", str(settings.port)]
+    if settings.identity_file is not None:
+        argv += ["-i", str(settings.identity_file)]
+    argv.append(host)
+    return argv
+
+
+def remote_command(cwd: str, python: str = sys.executable) -> str:
+    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m launcher.processes.supervisor"
+
+
+class SshLauncher:
+    def __init__(self, settings: SshSettings, out: IO[str] | None = None) -> None:
+        self._settings = settings
+        self._out = out
+
+    def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> SshProcess:
+        env = {k: os.environ[k] for k in FORWARDED_BY_DEFAULT if k in os.environ}
+        env.update(spec.env)
+        start = {
+            "command": list(spec.command),
+            "env": env,
+            "cwd": spec.cwd,
+            "secret": spec.secret,
+            "secret_fd_variable": ENV_SECRET_FD,
+        }
+        argv = [*ssh_argv(self._settings, spec.host), remote_command(spec.cwd)]
+        log.debug("Starting worker %s: %s", spec.worker_id, shlex.join(argv))
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C at the driver's terminal is the driver's to handle
+            preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
+        )
+        assert proc.stdout is not None
+        forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._out, f"ssh-output-{proc.pid}")
+        forwarder.start()
+        process = SshProcess(spec.host, proc, forwarder)
+        process.send(json.dumps(start))
+        return process
+
+
+class SshProcess:
+    def __init__(self, host: str, proc: subprocess.Popen[bytes], forwarder: LineForwarder) -> None:
+        self._host = host
+        self._proc = proc
+        self._forwarder = forwarder
+        self._lock = threading.Lock()
+        self._status: int | None = None  # the worker's exit status, as the supervisor reported it
+        self._stderr: list[str] = []  # ssh's (and the remote shell's) own messages
+        self._killed = False
+        self._control = threading.Thread(target=self._read_control, name=f"ssh-control-{proc.pid}", daemon=True)
+        self._control.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def send(self, line: str) -> None:
+        """One line to the supervisor; a closed connection is not an error (poll tells)."""
+        assert self._proc.stdin is not None
+        with self._lock:
+            try:
+                self._proc.stdin.write(line.encode() + b"\n")
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+
+    def poll(self) -> int | None:
+        if self._proc.poll() is None:
+            return None
+        return self._final_status()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return self._final_status()
+
+    def signal(self, sig: int) -> None:
+        self.send(f"signal {int(sig)}")
+        if sig == signal.SIGKILL and self._proc.poll() is None:
+            # Do not wait on a host that may be unreachable: closing our end of the
+            # connection is enough, the supervisor SIGKILLs the worker when it sees EOF.
+            self._killed = True
+            self._proc.kill()
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        self._forwarder.join(timeout)
+        self._control.join(timeout)
+
+    def exit_detail(self) -> str:
+        if self._status is not None or self._killed or self._proc.returncode is None:
+            return ""
+        said = "; ".join(self._stderr[-3:]) or "no message"
+        if self._proc.returncode == 255:
+            return f"ssh to {self._host} failed: {said}"
+        return f"the remote start on {self._host} failed (status {self._proc.returncode}): {said}"
+
+    def _final_status(self) -> int:
+        self._control.join(2.0)  # the status line may still be in the pipe
+        if self._status is not None:
+            return self._status
+        if self._killed:
+            return -signal.SIGKILL
+        return self._proc.returncode
+
+    def _read_control(self) -> None:
+        assert self._proc.stderr is not None
+        for raw in iter(self._proc.stderr.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            if line.startswith(MARK):
+                verb, _, value = line[len(MARK):].strip().partition(" ")
+                if verb == "exit":
+                    self._status = int(value)
+                elif verb == "error":
+                    self._stderr.append(value)
+                log.debug("Supervisor on %s: %s", self._host, line)
+            elif line:
+                self._stderr = [*self._stderr[-STDERR_KEPT:], line]
+                log.debug("ssh %s: %s", self._host, line)

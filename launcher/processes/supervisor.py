@@ -1,0 +1,103 @@
+"""The remote end of an ssh-started worker: ``python -m launcher.processes.supervisor``.
+
+The driver runs this through ssh and talks to it over the connection:
+
+- stdin, first line: a JSON ``{"command", "env", "cwd", "secret", "secret_fd_variable"}``
+  (the secret travels inside the encrypted ssh channel, never on a command line);
+- stdin, later lines: ``signal N``, forwarded to the worker's process group;
+- stdin at EOF: the driver or the connection is gone, so the worker is SIGKILLed — a
+  remote worker never outlives its driver or its ssh connection;
+- stdout: the worker's own output (stdout and stderr), untouched;
+- stderr: ``lightning-elastic-supervisor: started PID`` and ``... exit STATUS`` lines
+  (STATUS as ``Popen.returncode``: negative for a signal), so the driver can tell the
+  worker's exit from an ssh failure (ssh's own errors also arrive on stderr).
+
+The worker runs in its own session with PR_SET_PDEATHSIG, so killing this supervisor
+(SIGKILL included) kills it too. Standard library only: it starts on every remote start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from launcher.network import collective_interface_env
+from launcher.processes.spawn import signal_group, spawn_worker
+
+MARK = "lightning-elastic-supervisor:"
+# How long the worker gets to exit after SIGKILL before the supervisor leaves anyway.
+REAP_BOUND = 5.0
+
+
+def _say(text: str) -> None:
+    try:
+        sys.stderr.write(f"{MARK} {text}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass  # the connection is gone: nobody is listening any more
+
+
+def _parse_start(line: bytes) -> dict[str, Any]:
+    message = json.loads(line)
+    expected = {"command": list, "env": dict, "cwd": str, "secret": str, "secret_fd_variable": str}
+    for key, kind in expected.items():
+        if not isinstance(message.get(key), kind):
+            raise ValueError(f"start message: field {key!r} missing or not a {kind.__name__}")
+    if not message["command"] or not all(isinstance(a, str) for a in message["command"]):
+        raise ValueError("start message: 'command' must be a non-empty list of strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in message["env"].items()):
+        raise ValueError("start message: 'env' must map strings to strings")
+    return message
+
+
+def main() -> int:
+    stdin = sys.stdin.buffer
+    try:
+        start = _parse_start(stdin.readline())
+    except ValueError as err:
+        _say(f"error {err}")
+        return 2
+    env = {**os.environ, **start["env"]}
+    if "MASTER_ADDR" in env:  # collectives go out through the interface that reaches the driver
+        env.update(collective_interface_env(env, env["MASTER_ADDR"]))
+    try:
+        proc = spawn_worker(
+            start["command"], env, start["secret"], start["cwd"], sys.stdout.fileno(), start["secret_fd_variable"]
+        )
+    except OSError as err:
+        _say(f"error cannot start {start['command'][0]!r}: {err}")
+        return 127
+    _say(f"started {proc.pid}")
+
+    def end(status: int) -> None:
+        _say(f"exit {status}")
+        os._exit(0)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        # Whoever stops the supervisor stops the worker: it must not be left running alone.
+        signal_group(proc.pid, signal.SIGKILL)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    threading.Thread(target=lambda: end(proc.wait()), name="reaper", daemon=True).start()
+
+    for line in iter(stdin.readline, b""):
+        verb, _, arg = line.decode(errors="replace").strip().partition(" ")
+        if verb == "signal" and arg.isdigit():
+            signal_group(proc.pid, int(arg))
+    # EOF: the driver died, stopped us, or the connection dropped.
+    signal_group(proc.pid, signal.SIGKILL)
+    try:
+        status = proc.wait(REAP_BOUND)
+    except Exception:
+        status = -signal.SIGKILL
+    end(status)
+    return 0  # not reached: end() leaves the process
+
+
+if __name__ == "__main__":
+    sys.exit(main())
