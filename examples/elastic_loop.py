@@ -88,7 +88,7 @@ def main() -> None:
     state.register_reset_callbacks([on_reset])
     slot = le.slot_info()
     events.emit("start", host=socket.gethostname(), local_rank=slot.local_rank, local_size=slot.local_size,
-                cross_rank=slot.cross_rank, cross_size=slot.cross_size)
+                cross_rank=slot.cross_rank, cross_size=slot.cross_size, master_addr=os.environ.get("MASTER_ADDR"))
 
     @le.run
     def train(state: le.TorchState) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
-import socket
 from collections.abc import Iterable, Sequence
 
 from launcher.errors import ConfigError, DiscoveryError
@@ -133,13 +131,3 @@ def assign_slots(hosts: Sequence[HostSlots], max_np: int) -> list[SlotAssignment
 
 def count_slots(hosts: Iterable[HostSlots]) -> int:
     return sum(h.slots for h in hosts)
-
-
-def is_local_host(host: str) -> bool:
-    """True for names of this machine: loopback addresses, ``localhost``, its own names."""
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -68,10 +68,14 @@ class HostClassifier:
     def _classify(self, host: str) -> bool:
         if host in self._names:
             return True
-        address = _literal(host) or resolve(host)
-        if address is None:
-            return False  # ssh will say what is wrong with the name
-        return ipaddress.ip_address(address).is_loopback or address in self._addresses
+        try:
+            literal = ipaddress.ip_address(host)
+        except ValueError:
+            address = resolve(host)
+            if address is None:
+                return False  # ssh will say what is wrong with the name
+            literal = ipaddress.ip_address(address)
+        return literal.is_loopback or str(literal) in self._addresses
 
 
 def _literal(host: str) -> str | None:

@@ -1,4 +1,4 @@
-"""launcher/hosts.py: host entry parsing, rank assignment and local-host detection."""
+"""launcher/hosts.py: host entry parsing and rank assignment; launcher/network.py: local hosts."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from launcher.hosts import (
     SlotKey,
     assign_slots,
     count_slots,
-    is_local_host,
     parse_discovery_output,
     parse_host_entry,
     parse_host_list,
 )
+from launcher.network import HostClassifier
 
 # ----- parse_host_entry ----------------------------------------------------------------
 
@@ -212,22 +212,22 @@ def test_count_slots():
     assert count_slots(iter([HostSlots("a", 1)])) == 1
 
 
-# ----- is_local_host -------------------------------------------------------------------
+# ----- HostClassifier.is_local ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "127.0.0.2", "127.1.2.3", "::1"])
 def test_loopback_names_are_local(host):
-    assert is_local_host(host)
+    assert HostClassifier().is_local(host)
 
 
 def test_this_machines_hostname_is_local():
-    assert is_local_host(socket.gethostname())
+    assert HostClassifier().is_local(socket.gethostname())
 
 
 def test_this_machines_fqdn_is_local():
-    assert is_local_host(socket.getfqdn())
+    assert HostClassifier().is_local(socket.getfqdn())
 
 
 @pytest.mark.parametrize("host", ["8.8.8.8", "10.0.0.1", "some-other-machine.invalid", "localhost.invalid", ""])
 def test_foreign_names_are_not_local(host):
-    assert not is_local_host(host)
+    assert not HostClassifier().is_local(host)
