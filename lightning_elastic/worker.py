@@ -89,7 +89,11 @@ def _read_secret(environ: os._Environ | dict[str, str]) -> str:
     The variable is removed so that processes this worker starts do not look for a closed
     descriptor.
     """
-    fd = int(environ[p.ENV_SECRET_FD])
+    text = environ[p.ENV_SECRET_FD]
+    if not text.isdigit():
+        environ.pop(p.ENV_SECRET_FD, None)
+        raise RendezvousError(f"{p.ENV_SECRET_FD}={text!r} is not a file descriptor: start workers with lightning-elastic launch")
+    fd = int(text)
     chunks = []
     try:
         while chunk := os.read(fd, 4096):

@@ -43,6 +43,8 @@ def _say(text: str) -> None:
 
 def _parse_start(line: bytes) -> dict[str, Any]:
     message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ValueError(f"start message: expected a JSON object, got {type(message).__name__}")
     expected = {"command": list, "env": dict, "cwd": str, "secret": str, "secret_fd_variable": str}
     for key, kind in expected.items():
         if not isinstance(message.get(key), kind):

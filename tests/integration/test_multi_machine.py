@@ -200,13 +200,18 @@ def test_unreachable_host_is_blacklisted_with_the_ssh_error(job: Job, hosts: Nam
     assert_epochs_complete(job, 2)
 
 
-def test_driver_sigkilled_leaves_no_worker_on_any_host(job: Job, hosts: NamespacedHosts) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_driver_killed_or_stopped_leaves_no_worker_on_any_host(
+    job: Job, hosts: NamespacedHosts, sig: signal.Signals
+) -> None:
     h1, h2, h3 = hosts.names
     job.start(launch_args(hosts, "-np", "4", "-H", f"{h1}:2,{h2}:1,{h3}:1"), [*STEADY, "--epochs", "50"])
     job.wait_rounds(1)
     job.wait_steps(2)
-    job.proc.kill()
-    job.wait(30)
+    job.proc.send_signal(sig)
+    assert job.wait(30) != 0
+    if sig == signal.SIGTERM:  # stopped by the driver itself: SIGTERM, then SIGKILL after the grace
+        assert "job failed: interrupted by SIGTERM: stopped every worker" in job.reason()
     wait_for(lambda: not any(_our_processes(hosts, h, job) for h in hosts.names), 10,
              "every remote worker and supervisor to exit")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher import cli
+from launcher.config import SshSettings
 from launcher.errors import ConfigError
 from launcher.hosts import HostSlots
 
@@ -192,3 +193,102 @@ def test_missing_verb_is_refused(capsys, no_launch):
         cli.main([])
     assert info.value.code == 2
     assert "required: verb" in capsys.readouterr().err
+
+
+# ----- multiple machines: ssh, -x/--env, heartbeat, driver address ----------------------
+
+
+def test_multi_machine_defaults():
+    c = parse("python", "t.py")
+    assert c.ssh == SshSettings()
+    assert c.env == ()
+    assert (c.driver_address, c.network_interface) == (None, None)
+    assert c.timeouts.heartbeat_timeout == 10.0
+
+
+def test_ssh_options_reach_the_config(tmp_path):
+    key = tmp_path / "id_ed25519"
+    key.write_text("key")
+    c = parse("-H", "node1:1,node2:1", "--ssh-port", "2222", "--ssh-identity-file", str(key),
+              "--ssh-option", "StrictHostKeyChecking=no", "--ssh-option", "UserKnownHostsFile=/dev/null",
+              "python", "t.py")
+    assert c.ssh == SshSettings(
+        port=2222, identity_file=key, options=("StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null")
+    )
+
+
+def test_heartbeat_timeout_reaches_the_config():
+    assert parse("--heartbeat-timeout", "10", "python").timeouts.heartbeat_timeout == 10.0
+    assert parse("--heartbeat-timeout", "2.5", "python").timeouts.heartbeat_timeout == 2.5
+
+
+def test_driver_address_and_interface_reach_the_config():
+    c = parse("--driver-address", "10.0.0.5", "--network-interface", "eth1", "python")
+    assert (c.driver_address, c.network_interface) == ("10.0.0.5", "eth1")
+
+
+def test_env_name_value_is_kept_as_given():
+    c = parse("-x", "FOO=bar", "--env", "EMPTY=", "-x", "EQ=a=b", "python")
+    assert c.env == (("FOO", "bar"), ("EMPTY", ""), ("EQ", "a=b"))
+
+
+def test_env_name_alone_takes_the_drivers_value(monkeypatch):
+    monkeypatch.setenv("LE_TEST_FROM_DRIVER", "driver value")
+    monkeypatch.setenv("LE_TEST_EMPTY", "")
+    c = parse("-x", "LE_TEST_FROM_DRIVER", "-x", "LE_TEST_EMPTY", "python")
+    assert c.env == (("LE_TEST_FROM_DRIVER", "driver value"), ("LE_TEST_EMPTY", ""))
+
+
+def test_env_name_that_is_not_set_on_the_driver_is_refused(capsys, no_launch, monkeypatch):
+    monkeypatch.delenv("LE_TEST_UNSET", raising=False)
+    code, lines = run_main(capsys, "-x", "LE_TEST_UNSET", "python")
+    assert code == 2
+    assert lines == [
+        "lightning-elastic: error: -x/--env: LE_TEST_UNSET is not set in the driver's environment; "
+        "write LE_TEST_UNSET=VALUE"
+    ]
+
+
+def test_env_name_not_set_raises_config_error(monkeypatch):
+    monkeypatch.delenv("LE_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigError, match=r"^-x/--env: LE_TEST_UNSET is not set"):
+        parse("-x", "LE_TEST_UNSET", "python")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ssh-port", "0", "python"], "--ssh-port: expected a port number 1..65535, got 0"),
+        (["--ssh-port", "70000", "python"], "--ssh-port: expected a port number 1..65535, got 70000"),
+        (["--ssh-option", "StrictHostKeyChecking", "python"],
+         "--ssh-option: expected NAME=VALUE as ssh's -o takes it, got 'StrictHostKeyChecking'"),
+        (["--heartbeat-timeout", "nan", "python"],
+         "--heartbeat-timeout: expected a finite number of seconds, at least twice the heartbeat interval (2), "
+         "got nan"),
+        (["--heartbeat-timeout", "inf", "python"],
+         "--heartbeat-timeout: expected a finite number of seconds, at least twice the heartbeat interval (2), "
+         "got inf"),
+        (["--heartbeat-timeout", "1.5", "python"],
+         "--heartbeat-timeout: expected a finite number of seconds, at least twice the heartbeat interval (2), "
+         "got 1.5"),
+        (["-x", "1BAD=2", "python"], "-x/--env: '1BAD' is not a valid variable name"),
+        (["-x", "MY-VAR=2", "python"], "-x/--env: 'MY-VAR' is not a valid variable name"),
+    ],
+)
+def test_invalid_multi_machine_values_exit_2_with_one_line(capsys, no_launch, argv, message):
+    code, lines = run_main(capsys, "-np", "1", *argv)
+    assert code == 2
+    assert lines == [f"lightning-elastic: error: {message}"]
+
+
+def test_missing_identity_file_exits_2_naming_the_option(capsys, no_launch, tmp_path):
+    path = tmp_path / "no_key"
+    code, lines = run_main(capsys, "--ssh-identity-file", str(path), "python")
+    assert code == 2
+    assert lines == [f"lightning-elastic: error: --ssh-identity-file: {path} is not a readable file"]
+
+
+def test_malformed_ssh_port_is_refused_by_argparse(capsys, no_launch):
+    code, lines = run_main(capsys, "--ssh-port", "ssh", "python")
+    assert code == 2
+    assert lines[-1] == "lightning-elastic launch: error: argument --ssh-port: invalid int value: 'ssh'"

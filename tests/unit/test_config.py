@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import LaunchConfig, Timeouts
+from launcher.config import LaunchConfig, SshSettings, Timeouts
 from launcher.errors import ConfigError, LaunchError
 from launcher.hosts import HostSlots
 
@@ -99,3 +99,93 @@ def test_non_finite_value_gives_one_line_naming_it(overrides, message):
     with pytest.raises(ConfigError) as info:
         config(**overrides)
     assert str(info.value) == message
+
+
+# ----- SshSettings ---------------------------------------------------------------------
+
+
+def test_ssh_settings_defaults():
+    s = SshSettings()
+    assert (s.port, s.identity_file, s.options) == (None, None, ())
+    assert (s.connect_timeout, s.server_alive_interval, s.server_alive_count) == (10.0, 5.0, 3)
+    assert config().ssh == s
+
+
+@pytest.mark.parametrize("port", [1, 22, 65535])
+def test_ssh_port_in_range_is_accepted(port):
+    assert SshSettings(port=port).port == port
+
+
+@pytest.mark.parametrize("port", [0, -1, 65536, 70000])
+def test_ssh_port_out_of_range_is_refused(port):
+    with pytest.raises(ConfigError) as info:
+        SshSettings(port=port)
+    assert str(info.value) == f"--ssh-port: expected a port number 1..65535, got {port}"
+
+
+def test_ssh_identity_file_that_exists_is_accepted(tmp_path):
+    key = tmp_path / "id_ed25519"
+    key.write_text("key")
+    assert SshSettings(identity_file=key).identity_file == key
+
+
+@pytest.mark.parametrize("name", ["missing-key", "."], ids=["missing", "directory"])
+def test_ssh_identity_file_that_is_not_a_file_is_refused(tmp_path, name):
+    path = tmp_path / name
+    with pytest.raises(ConfigError) as info:
+        SshSettings(identity_file=path)
+    assert str(info.value) == f"--ssh-identity-file: {path} is not a readable file"
+
+
+@pytest.mark.parametrize("options", [("StrictHostKeyChecking=no",), ("A=b", "UserKnownHostsFile=/dev/null", "X=")])
+def test_ssh_options_as_name_equals_value_are_accepted(options):
+    assert SshSettings(options=options).options == options
+
+
+@pytest.mark.parametrize("option", ["BatchMode", "=yes", " =yes", "Batch Mode=yes", ""])
+def test_ssh_option_without_name_equals_value_is_refused(option):
+    with pytest.raises(ConfigError) as info:
+        SshSettings(options=("Port=22", option))
+    assert str(info.value) == f"--ssh-option: expected NAME=VALUE as ssh's -o takes it, got {option!r}"
+
+
+# ----- heartbeat timeout, -x/--env, driver address --------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, 1.5, 0.0, -10.0])
+def test_heartbeat_timeout_not_finite_or_under_two_intervals_is_refused(timeout):
+    with pytest.raises(ConfigError) as info:
+        config(timeouts=Timeouts(heartbeat_timeout=timeout))
+    assert str(info.value) == (
+        "--heartbeat-timeout: expected a finite number of seconds, at least twice the heartbeat "
+        f"interval (2), got {timeout}"
+    )
+
+
+def test_heartbeat_timeout_bound_follows_the_interval():
+    with pytest.raises(ConfigError, match=r"--heartbeat-timeout: .*\(6\), got 5.0"):
+        config(timeouts=Timeouts(heartbeat_interval=3.0, heartbeat_timeout=5.0))
+    assert config(timeouts=Timeouts(heartbeat_interval=3.0, heartbeat_timeout=6.0)).timeouts.heartbeat_timeout == 6.0
+
+
+@pytest.mark.parametrize("timeout", [2.0, 10.0, 3600.0])
+def test_heartbeat_timeout_of_two_intervals_or_more_is_accepted(timeout):
+    assert config(timeouts=Timeouts(heartbeat_timeout=timeout)).timeouts.heartbeat_timeout == timeout
+
+
+def test_env_names_that_are_identifiers_are_accepted():
+    env = (("FOO", "1"), ("_private", ""), ("NCCL_DEBUG", "INFO"))
+    assert config(env=env).env == env
+
+
+@pytest.mark.parametrize("name", ["1BAD", "A-B", "A B", ""])
+def test_env_name_that_is_not_a_variable_name_is_refused(name):
+    with pytest.raises(ConfigError) as info:
+        config(env=(("GOOD", "1"), (name, "2")))
+    assert str(info.value) == f"-x/--env: {name!r} is not a valid variable name"
+
+
+def test_driver_address_and_interface_default_to_none_and_are_kept():
+    assert (config().driver_address, config().network_interface) == (None, None)
+    c = config(driver_address="10.0.0.1", network_interface="eth1")
+    assert (c.driver_address, c.network_interface) == ("10.0.0.1", "eth1")

@@ -1,0 +1,209 @@
+"""lightning_elastic/group_sockets.py: finding and shutting down the group's own TCP connections.
+
+Real loopback connections opened in this process stand in for gloo's.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from lightning_elastic import group_sockets
+from lightning_elastic.group_sockets import established, new_connections, shut_down
+
+pytestmark = pytest.mark.timeout(30)
+
+BOUND = 5.0
+
+
+class Pair:
+    """A connected loopback TCP pair: ``client`` connected to ``server`` (the accepted end)."""
+
+    def __init__(self, family: int = socket.AF_INET, listen_on: str = "127.0.0.1") -> None:
+        with socket.socket(family, socket.SOCK_STREAM) as listener:
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            listener.bind((listen_on, 0))
+            listener.listen()
+            self.client = socket.create_connection(("127.0.0.1", listener.getsockname()[1]), timeout=BOUND)
+            self.server, _ = listener.accept()
+        self.client.settimeout(None)
+        self.server.settimeout(BOUND)
+        c_local, c_remote = self.client.getsockname(), self.client.getpeername()
+        # Both ends as established() names them: (local, remote), IPv4 text addresses.
+        self.client_side = ((c_local[0], c_local[1]), (c_remote[0], c_remote[1]))
+        self.server_side = (self.client_side[1], self.client_side[0])
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+
+
+@pytest.fixture
+def pairs():
+    opened: list[Pair] = []
+
+    def open_pair(**kwargs) -> Pair:
+        pair = Pair(**kwargs)
+        opened.append(pair)
+        return pair
+
+    yield open_pair
+    for pair in opened:
+        pair.close()
+
+
+def recv_in_thread(sock: socket.socket) -> tuple[threading.Thread, list]:
+    result: list = []
+
+    def receive() -> None:
+        try:
+            result.append(sock.recv(10))
+        except OSError as err:
+            result.append(err)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    return thread, result
+
+
+# ----- established ---------------------------------------------------------------------
+
+
+def test_established_lists_both_ends_of_a_loopback_connection_with_their_descriptors(pairs):
+    pair = pairs()
+    found = established()
+    assert found[pair.client_side] == pair.client.fileno()
+    assert found[pair.server_side] == pair.server.fileno()
+
+
+def test_established_leaves_out_listeners_and_closed_connections(pairs):
+    pair = pairs()
+    client_side = pair.client_side
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        pair.close()
+        found = established()
+    assert client_side not in found
+    assert all(local != ("127.0.0.1", port) for local, _ in found)
+
+
+def test_established_gives_plain_ipv4_for_a_dual_stack_socket(pairs):
+    if not socket.has_dualstack_ipv6():
+        pytest.skip("no dual-stack IPv6 here")
+    pair = pairs(family=socket.AF_INET6, listen_on="::")
+    assert pair.server.getsockname()[0] == "::ffff:127.0.0.1"
+    found = established()
+    assert found[pair.server_side] == pair.server.fileno()
+    assert found[pair.client_side] == pair.client.fileno()
+
+
+# ----- new_connections -----------------------------------------------------------------
+
+
+def test_new_connections_keeps_only_those_opened_in_between(pairs):
+    old = pairs()
+    before = established()
+    new = pairs()
+    after = established()
+    assert new_connections(before, after, ()) == frozenset({new.client_side, new.server_side})
+    assert old.client_side not in new_connections(before, after, ())
+
+
+def test_new_connections_drops_excluded_remote_endpoints(pairs):
+    before = established()
+    driver = pairs()  # the client end's remote is the "driver"
+    peer = pairs()
+    after = established()
+    excluded = [driver.client_side[1]]
+    assert new_connections(before, after, excluded) == frozenset(
+        {driver.server_side, peer.client_side, peer.server_side}
+    )
+
+
+def test_new_connections_on_plain_tuples():
+    a = (("10.0.0.1", 5000), ("10.0.0.2", 6000))
+    b = (("10.0.0.1", 5001), ("10.0.0.3", 29500))
+    c = (("10.0.0.1", 5002), ("10.0.0.4", 7000))
+    assert new_connections({a}, {a, b, c}, {("10.0.0.3", 29500)}) == frozenset({c})
+    assert new_connections({a, b}, {a, b}, ()) == frozenset()
+
+
+# ----- shut_down -----------------------------------------------------------------------
+
+
+def test_shut_down_unblocks_the_peers_receive(pairs):
+    pair = pairs()
+    thread, result = recv_in_thread(pair.server)
+    assert shut_down({pair.client_side}) == 1
+    thread.join(BOUND)
+    assert not thread.is_alive()
+    assert result == [b""]
+
+
+def test_shut_down_unblocks_a_receive_on_the_connection_itself(pairs):
+    pair = pairs()
+    thread, result = recv_in_thread(pair.client)  # as gloo's own thread waits on its socket
+    assert shut_down({pair.client_side}) == 1
+    thread.join(BOUND)
+    assert not thread.is_alive()
+    assert result == [b""]
+
+
+def test_shut_down_keeps_the_descriptor_open(pairs):
+    pair = pairs()
+    fd = pair.client.fileno()
+    assert shut_down({pair.client_side}) == 1
+    assert pair.client.fileno() == fd
+    assert established().get(pair.client_side) is None  # no longer established
+    with pytest.raises(OSError):
+        pair.client.send(b"x")
+    pair.client.getsockname()  # the descriptor is still a valid socket
+
+
+def test_shut_down_of_a_closed_connection_returns_0_and_touches_nothing_else(pairs):
+    gone = pairs()
+    gone_side = gone.client_side
+    gone.close()
+    other = pairs()
+    assert shut_down({gone_side}) == 0
+    other.client.sendall(b"still")
+    assert other.server.recv(10) == b"still"
+    other.server.sendall(b"works")
+    assert other.client.recv(10) == b"works"
+
+
+def test_shut_down_counts_only_the_connections_still_open(pairs):
+    gone = pairs()
+    gone_side = gone.client_side
+    gone.close()
+    live = pairs()
+    untouched = pairs()
+    assert shut_down({gone_side, live.client_side}) == 1
+    assert live.server.recv(10) == b""
+    untouched.client.sendall(b"ok")
+    assert untouched.server.recv(10) == b"ok"
+
+
+def test_shut_down_of_nothing_returns_0(pairs):
+    pair = pairs()
+    assert shut_down(frozenset()) == 0
+    pair.client.sendall(b"ok")
+    assert pair.server.recv(10) == b"ok"
+
+
+def test_shut_down_checks_the_descriptor_still_belongs_to_the_connection(pairs, monkeypatch):
+    # Between the listing and the shutdown, gloo may close the socket and the descriptor
+    # number may be reused by another one: that other socket must be left alone.
+    closed = pairs()
+    closed_side = closed.client_side
+    closed.close()
+    reused = pairs()
+    monkeypatch.setattr(group_sockets, "established", lambda: {closed_side: reused.client.fileno()})
+    assert shut_down({closed_side}) == 0
+    reused.client.sendall(b"ok")
+    assert reused.server.recv(10) == b"ok"
