@@ -21,7 +21,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -101,7 +100,6 @@ class Driver:
         self._registry = Registry(clock)
         self._secret = secrets.token_hex(32)
         self._server: RendezvousServer | None = None
-        self._store = None  # torch TCPStore, hosted here for process-group bootstrap
         self._processes: dict[str, WorkerProcess] = {}
         self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
@@ -151,24 +149,14 @@ class Driver:
         return self._result(verdict)
 
     def _start_services(self) -> None:
-        from torch.distributed import TCPStore  # the driver's only use of torch
-
-        # Listen on the job's own address only (TCPStore alone listens on every interface).
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            listener.bind((self._address, 0))
-            listener.listen(1024)
-        except OSError as err:
-            listener.close()
-            raise ConfigError(f"cannot serve on {self._address}: {err}") from None
-        # detach(): the store owns the descriptor from here on and closes it.
-        self._store = TCPStore(
-            self._address, 0, is_master=True, wait_for_workers=False, use_libuv=True,
-            master_listen_fd=listener.detach(),
-        )
+        """One listening socket, on the job's address only: the signed rendezvous service,
+        which also serves the process-group store (see launcher/store_service.py)."""
         self._server = RendezvousServer(self._registry, self._secret, host=self._address)
-        self._server.start()
-        log.info("Rendezvous service at %s; store at %s:%d.", self._server.url, self._address, self._store.port)
+        try:
+            self._server.start()
+        except OSError as err:
+            raise ConfigError(f"cannot serve on {self._address}: {err}") from None
+        log.info("Rendezvous service and process-group store at %s.", self._server.url)
 
     def _shutdown(self) -> None:
         self._discovery.close()
@@ -246,7 +234,7 @@ class Driver:
         number = next(self._worker_numbers)
         worker_id = f"{slot.slot}#{number}"
         record = self._registry.add_worker(worker_id, slot.slot)
-        assert self._store is not None and self._server is not None
+        assert self._server is not None
         t = self._config.timeouts
         # The driver's PYTHONPATH with our sitecustomize first: it registers
         # strategy="elastic_hvd" when the script imports Lightning.
@@ -271,7 +259,7 @@ class Driver:
             "LOCAL_WORLD_SIZE": str(slot.local_size),
             "GROUP_RANK": str(slot.cross_rank),
             "MASTER_ADDR": self._address,
-            "MASTER_PORT": str(self._store.port),
+            "MASTER_PORT": str(self._server.port),
         }
         log_file = None
         if self._config.log_dir is not None:
@@ -532,7 +520,8 @@ class Driver:
             verdict = policy.check_reset_limit(len(self._rounds) - 1, self._config.reset_limit)
             if verdict is not None:
                 return verdict
-        info = reg.form_round(members, (self._address, self._store.port), secrets.token_hex(16))
+        assert self._server is not None
+        info = reg.form_round(members, (self._address, self._server.port))
         self._rounds.append(len(members))
         self._announced_for = None
         self._reset_pending_since = None

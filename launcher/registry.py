@@ -114,7 +114,7 @@ class Registry:
         self.cond.notify_all()
 
     def form_round(
-        self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int], store_token: str = ""
+        self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]
     ) -> RoundInfo:
         number = (self.round.number if self.round else 0) + 1
         for record, slot in members:
@@ -130,7 +130,6 @@ class Registry:
                 store_host=store[0],
                 store_port=store[1],
                 generation=self.generation,
-                store_token=store_token,
             )
             record.state = WorkerState.MEMBER
             record.arrived_after_round = None

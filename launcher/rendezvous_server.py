@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from launcher.registry import Registry, UnknownWorker
+from launcher.store_service import KeyValueStore
 from lightning_elastic import protocol as p
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ TIMESTAMP_WINDOW = 300.0
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    # Every worker opens a few connections at once (main thread, heartbeat, store); the
+    # default listen queue of 5 drops arrivals of even a small job starting together.
+    request_queue_size = 1024
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A worker that exits (or is killed) mid-request resets its connection: routine here.
@@ -41,8 +45,10 @@ class RendezvousServer:
     def __init__(
         self, registry: Registry, secret: str, host: str = "127.0.0.1", *,
         wall_clock: Callable[[], float] = time.time,
+        store: KeyValueStore | None = None,
     ) -> None:
         self._registry = registry
+        self._store = store if store is not None else KeyValueStore()
         self._secret = secret
         self._host = host
         self._wall_clock = wall_clock  # wall time: it is compared with other hosts' clocks
@@ -57,6 +63,11 @@ class RendezvousServer:
         self.rejected = 0  # requests refused for auth or form; shown in the job summary
 
     @property
+    def port(self) -> int:
+        assert self._server is not None, "start() first"
+        return self._server.server_address[1]
+
+    @property
     def url(self) -> str:
         assert self._server is not None, "start() first"
         host, port = self._server.server_address[:2]
@@ -68,10 +79,14 @@ class RendezvousServer:
             p.PATH_HEARTBEAT: (p.HeartbeatRequest, self._registry.heartbeat),
             p.PATH_ROUND_LOST: (p.RoundLostRequest, self._registry.round_lost),
             p.PATH_REPORT: (p.Report, self._report),
+            p.PATH_STORE: (p.StoreRequest, self._store.handle),
         }
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Headers and body go out in separate writes: without TCP_NODELAY, Nagle holds
+            # the body back until the client's delayed ACK (~40 ms a request).
+            disable_nagle_algorithm = True
             protocol_version = "HTTP/1.1"
             # The nonce of the request being answered, once its signature is verified: replies
             # are signed only then (signing for an unverified, hence anyone's, nonce would

@@ -43,6 +43,9 @@ class DriverClient:
     def report(self, round_number: int, outcome: p.Outcome, message: str = "") -> None:
         self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, message[:2000]), p.Ack)
 
+    def store(self, request: p.StoreRequest) -> p.StoreReply:
+        return self._post(p.PATH_STORE, request, p.StoreReply, wait=request.wait_seconds)
+
     def close(self) -> None:
         self._session.close()
 

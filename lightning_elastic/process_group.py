@@ -46,14 +46,11 @@ def nccl_environment(environ: dict[str, str] | os._Environ) -> dict[str, str]:
 def init_round_group(
     store: dist.Store, round_number: int, rank: int, size: int, choice: BackendChoice,
     timeout: datetime.timedelta,
-    token: str = "",
 ) -> None:
-    """Form the round's group on keys under ``lightning_elastic/round/N[/token]``."""
     if choice.backend == "nccl":
         os.environ.update(nccl_environment(os.environ))
         torch.cuda.set_device(choice.device)
-    prefix = f"lightning_elastic/round/{round_number}" + (f"/{token}" if token else "")
-    prefixed = dist.PrefixStore(prefix, store)  # PrefixStore adds the "/" itself
+    prefixed = dist.PrefixStore(f"lightning_elastic/round/{round_number}", store)  # it adds the "/"
     kwargs = {"device_id": choice.device} if choice.backend == "nccl" else {}
     dist.init_process_group(
         choice.backend, store=prefixed, rank=rank, world_size=size, timeout=timeout, **kwargs

@@ -51,6 +51,7 @@ PATH_RENDEZVOUS = "/v1/rendezvous"
 PATH_HEARTBEAT = "/v1/heartbeat"
 PATH_ROUND_LOST = "/v1/round-lost"
 PATH_REPORT = "/v1/report"
+PATH_STORE = "/v1/store"
 
 RENDEZVOUS_POLL = 5.0  # longest the service holds a rendezvous request before "wait"
 
@@ -89,13 +90,9 @@ class Assignment:
     cross_rank: int
     cross_size: int
     hostname: str
-    store_host: str
+    store_host: str  # the process-group store: the driver's own service (PATH_STORE)
     store_port: int
     generation: int  # host-change generation this round was formed at
-    # Random per round, known only through this authenticated reply: keys of the next
-    # round's process-group bootstrap cannot be named (and so not planted) in advance by
-    # someone who can reach the store but has no secret.
-    store_token: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +133,41 @@ class Report:
     round: int
     outcome: Outcome
     message: str = ""
+
+
+class StoreOp(str, Enum):
+    """Operations of the process-group store (``torch.distributed.Store``'s, one key each)."""
+
+    SET = "set"
+    GET = "get"  # long poll: answer when the key exists or ``wait_seconds`` have passed
+    ADD = "add"
+    CHECK = "check"
+    COMPARE_SET = "compare_set"
+    DELETE = "delete"
+    NUM_KEYS = "num_keys"
+    APPEND = "append"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreRequest:
+    """One store operation. The store is served by the driver over this signed channel, so
+    nobody without the job's secret can read or plant process-group bootstrap keys (a
+    torch TCPStore has no authentication at all). Values are base64 (bytes in JSON)."""
+
+    worker_id: str
+    op: StoreOp
+    key: str = ""
+    value: str = ""  # base64: SET, APPEND, COMPARE_SET's desired value
+    expected: str = ""  # base64: COMPARE_SET's expected value
+    amount: str = "0"  # ADD, as decimal text (it may be negative)
+    wait_seconds: float = 0.0  # GET
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreReply:
+    found: bool  # GET, CHECK, DELETE: whether the key existed
+    value: str = ""  # base64: GET's value, ADD's new total (decimal text), COMPARE_SET's result
+    count: int = 0  # NUM_KEYS
 
 
 @dataclasses.dataclass(frozen=True)

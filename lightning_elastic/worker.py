@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
+from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import HostsUpdatedInterrupt, RendezvousError
 from lightning_elastic.process_group import (
     BackendChoice,
@@ -118,7 +119,7 @@ class ElasticWorker:
         # on a GPU machine (a Lightning Trainer with accelerator="cpu").
         self.use_cuda = use_cuda
         self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
-        self._store: dist.TCPStore | None = None
+        self._store: DriverStore | None = None
         self._assignment: p.Assignment | None = None
         self._seen_generation = 0
         self._last_broken_round = 0
@@ -161,6 +162,8 @@ class ElasticWorker:
         destroy_round_group()
         if self._client is not None:
             self._client.close()
+        if self._store is not None:
+            self._store.close()
 
     def _join_next_round(self) -> None:
         assert self._client is not None and self.settings is not None
@@ -190,22 +193,20 @@ class ElasticWorker:
             store: dist.Store = dist.HashStore()
             timeout = datetime.timedelta(seconds=60)
         else:
-            if self._store is None:
-                self._store = dist.TCPStore(
-                    a.store_host, a.store_port, is_master=False,
-                    timeout=datetime.timedelta(seconds=60), use_libuv=True,
-                )
-            store = self._store
             timeout = datetime.timedelta(seconds=self.settings.process_group_timeout)
+            if self._store is None:
+                s = self.settings
+                self._store = DriverStore(DriverClient(s.driver_url, s.secret, s.worker_id), timeout)
+            store = self._store
         if self._backend.backend != "gloo" or self.settings is None:
-            init_round_group(store, a.round, a.rank, a.size, self._backend, timeout, a.store_token)
+            init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
             return
         # Remember the group's own connections: a partitioned peer can only be cut off by
         # shutting them down (see group_sockets).
         before = group_sockets.established()
-        init_round_group(store, a.round, a.rank, a.size, self._backend, timeout, a.store_token)
+        init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
         driver = urllib.parse.urlsplit(self.settings.driver_url)
-        excluded = {(a.store_host, a.store_port), (driver.hostname or "", driver.port or 0)}
+        excluded = {(driver.hostname or "", driver.port or 0)}
         connections = group_sockets.new_connections(before, group_sockets.established(), excluded)
         with self._lock:
             self._group_connections = connections

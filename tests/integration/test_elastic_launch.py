@@ -259,8 +259,8 @@ def test_bad_requests_to_rendezvous_service_are_rejected(job: Job) -> None:
 
 def _service_url(job: Job) -> str | None:
     for line in job.stderr().splitlines():
-        if "Rendezvous service at " in line:
-            return line.split("Rendezvous service at ")[1].split(";")[0]
+        if "process-group store at " in line:
+            return line.split("process-group store at ")[1].rstrip(".")
     return None
 
 

@@ -8,6 +8,7 @@ paths), so the example's event files and ``psutil`` see every host's workers.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,6 @@ import time
 import psutil
 import pytest
 import requests
-from torch.distributed import TCPStore
 
 from lightning_elastic import protocol as p
 from tests.integration.harness import (
@@ -79,7 +79,7 @@ def test_job_on_three_remote_hosts_trains_to_the_end(job: Job, hosts: Namespaced
             for e in starts]
     assert seen == [(h1, 0, 0, 2, 0, 3), (h1, 1, 1, 2, 0, 1), (h2, 2, 0, 1, 1, 3), (h3, 3, 0, 1, 2, 3)]
     # Served on the address that reaches the hosts; nothing they are told says loopback.
-    assert f"Rendezvous service at http://{hosts.bridge_address}:" in job.stderr()
+    assert f"Rendezvous service and process-group store at http://{hosts.bridge_address}:" in job.stderr()
     assert {e["master_addr"] for e in starts} == {hosts.bridge_address}
     out = job.stdout()
     assert re.search(r"^\[0\] training finished: \d+ steps, world size 4$", out, re.M), out[-2000:]
@@ -229,26 +229,25 @@ def test_secret_never_shown_and_store_refuses_an_intruder(job: Job, hosts: Names
         assert secret not in listing, f"the job secret is visible in ps on {name}"
     assert secret not in subprocess.run(["ps", "auxwwe"], capture_output=True, text=True).stdout
 
-    address, port = re.search(r"store at ([\d.]+):(\d+)", job.stderr()).groups()
-    # The store listens on the job's address only.
-    with pytest.raises(Exception):
-        TCPStore("127.0.0.1", int(port), is_master=False, wait_for_workers=False,
-                 timeout=__import__("datetime").timedelta(seconds=2))
-    # An intruder on the job's network plants keys where the next round's bootstrap would be
-    # under a predictable naming scheme, and rewrites every key it can list.
-    intruder = TCPStore(address, int(port), is_master=False, wait_for_workers=False)
+    # The driver listens on one port, on the job's address only: the signed rendezvous
+    # service, which also serves the process-group store.
+    url = re.search(r"Rendezvous service and process-group store at (\S+)\.", job.stderr()).group(1)
+    listening = [c.laddr for c in psutil.Process(job.proc.pid).net_connections("tcp") if c.status == "LISTEN"]
+    assert [(a.ip, a.port) for a in listening] == [(hosts.bridge_address, int(url.rsplit(":", 1)[1]))]
+    # An intruder on the job's network tries to plant the next rounds' bootstrap keys.
     for number in range(1, 6):
         for rank in range(3):
-            intruder.set(f"lightning_elastic/round/{number}/0/{rank}", b"\x00poison")
-    for key in intruder.list_keys():
-        if not key.startswith("lightning_elastic/round/1/"):
-            continue
-        round_prefix = key.rsplit("/", 2)[0]
-        for rank in range(3):
-            intruder.set(f"{round_prefix.replace('/round/1/', '/round/2/')}/0/{rank}", b"\x00poison")
-    # The rendezvous service refuses it too.
-    url = re.search(r"Rendezvous service at (\S+);", job.stderr()).group(1)
-    assert requests.post(f"{url}{p.PATH_REPORT}", data=b"{}", timeout=10).status_code == 401
+            plant = json.dumps({"worker_id": f"{h1}[0]#0", "op": "set", "value": "AA==",
+                                "key": f"lightning_elastic/round/{number}/0/{rank}"}).encode()
+            unsigned = requests.post(f"{url}{p.PATH_STORE}", data=plant, timeout=10)
+            forged = requests.post(f"{url}{p.PATH_STORE}", data=plant, timeout=10,
+                                   headers=p.sign_request("not-the-secret", "POST", p.PATH_STORE, plant))
+            assert (unsigned.status_code, forged.status_code) == (401, 401)
+    # With the secret the store answers: it does hold the bootstrap keys.
+    count = json.dumps({"worker_id": f"{h1}[0]#0", "op": "num_keys"}).encode()
+    reply = requests.post(f"{url}{p.PATH_STORE}", data=count, timeout=10,
+                          headers=p.sign_request(secret, "POST", p.PATH_STORE, count))
+    assert reply.status_code == 200 and reply.json()["count"] > 0
     # A lost worker makes the next round form: it must not read the planted keys.
     os.kill(job.worker_pid(h2), signal.SIGKILL)
     assert job.wait() == 0, job.stderr()[-3000:]

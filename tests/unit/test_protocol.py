@@ -36,6 +36,14 @@ MESSAGES = [
     p.Ack(),
     p.Ack(False),
     p.ErrorReply("no such path /x"),
+    p.StoreRequest("w", p.StoreOp.SET, "lightning_elastic/round/1/0", value="AAE="),
+    p.StoreRequest("w", p.StoreOp.GET, "k", wait_seconds=2.0),
+    p.StoreRequest("w", p.StoreOp.ADD, "counter", amount="-3"),
+    p.StoreRequest("w", p.StoreOp.COMPARE_SET, "k", value="Yg==", expected="YQ=="),
+    p.StoreRequest("w", p.StoreOp.NUM_KEYS),
+    p.StoreReply(True, "AAE="),
+    p.StoreReply(False),
+    p.StoreReply(True, count=7),
 ]
 
 

@@ -1,0 +1,89 @@
+"""The process-group store as a ``torch.distributed.Store``, served by the driver.
+
+``init_process_group`` exchanges the round's bootstrap data (gloo peer addresses, the NCCL
+unique id) through a store. This one sends every operation over the driver's signed
+rendezvous channel (``protocol.StoreRequest``), so the bootstrap cannot be read or poisoned
+by anyone without the job's secret — unlike a torch ``TCPStore``, which anyone who reaches
+its port may list and rewrite.
+
+It has its own HTTP client: torch may call it while the heartbeat thread uses the worker's.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import threading
+import time
+
+import torch.distributed as dist
+
+from lightning_elastic import protocol as p
+from lightning_elastic.client import DriverClient
+from lightning_elastic.errors import RendezvousError
+
+POLL = 2.0  # longest the driver holds one GET; the store asks again until its timeout
+
+
+def _b64(value: bytes | str) -> str:
+    return base64.b64encode(value.encode() if isinstance(value, str) else bytes(value)).decode()
+
+
+class DriverStore(dist.Store):
+    def __init__(self, client: DriverClient, timeout: datetime.timedelta) -> None:
+        super().__init__()
+        self._client = client
+        self._timeout = timeout
+        self._lock = threading.Lock()  # one request at a time on the client's session
+
+    def _call(self, op: p.StoreOp, key: str = "", **fields: object) -> p.StoreReply:
+        request = p.StoreRequest(self._client.worker_id, op, key, **fields)  # type: ignore[arg-type]
+        with self._lock:
+            return self._client.store(request)
+
+    # ----- torch.distributed.Store ----------------------------------------------------
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._call(p.StoreOp.SET, key, value=_b64(value))
+
+    def append(self, key: str, value: bytes | str) -> None:
+        self._call(p.StoreOp.APPEND, key, value=_b64(value))
+
+    def get(self, key: str) -> bytes:
+        return self._get(key, self._timeout)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        for key in keys:
+            self._get(key, timeout or self._timeout)
+
+    def _get(self, key: str, timeout: datetime.timedelta) -> bytes:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            reply = self._call(p.StoreOp.GET, key, wait_seconds=max(0.0, min(POLL, remaining)))
+            if reply.found:
+                return base64.b64decode(reply.value)
+            if remaining <= 0:
+                raise RendezvousError(f"store key {key!r} did not appear within {timeout.total_seconds():g} s")
+
+    def add(self, key: str, amount: int) -> int:
+        return int(base64.b64decode(self._call(p.StoreOp.ADD, key, amount=str(int(amount))).value))
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._call(p.StoreOp.CHECK, key).found for key in keys)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        reply = self._call(p.StoreOp.COMPARE_SET, key, expected=_b64(expected), value=_b64(desired))
+        return base64.b64decode(reply.value)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(p.StoreOp.DELETE, key).found
+
+    def num_keys(self) -> int:
+        return self._call(p.StoreOp.NUM_KEYS).count
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._client.close()

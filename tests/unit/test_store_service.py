@@ -1,0 +1,167 @@
+"""launcher/store_service.py and lightning_elastic/driver_store.py: the signed process-group store.
+
+The driver side is tested directly; the worker side against the real rendezvous service on
+loopback, including a real gloo group formed through it.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+from launcher.registry import Registry
+from launcher.rendezvous_server import RendezvousServer
+from launcher.store_service import KeyValueStore
+from lightning_elastic import protocol as p
+from lightning_elastic.client import DriverClient
+from lightning_elastic.driver_store import DriverStore
+from lightning_elastic.errors import RendezvousError
+
+SECRET = "ab" * 32
+W = "127.0.0.1[0]#0"
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def req(op: p.StoreOp, key: str = "", **fields: object) -> p.StoreRequest:
+    return p.StoreRequest(W, op, key, **fields)  # type: ignore[arg-type]
+
+
+# ----- driver side -------------------------------------------------------------------
+
+
+def test_set_then_get_returns_the_bytes():
+    kv = KeyValueStore()
+    assert kv.handle(req(p.StoreOp.SET, "k", value=b64(b"\x00\xffv"))).found
+    reply = kv.handle(req(p.StoreOp.GET, "k"))
+    assert reply.found and base64.b64decode(reply.value) == b"\x00\xffv"
+
+
+def test_get_of_a_missing_key_answers_not_found_after_its_wait():
+    now = [0.0]
+    kv = KeyValueStore(clock=lambda: now[0])
+    assert kv.handle(req(p.StoreOp.GET, "missing", wait_seconds=0.0)) == p.StoreReply(False)
+
+
+def test_get_waits_for_a_key_set_meanwhile():
+    kv = KeyValueStore()
+    replies: list[p.StoreReply] = []
+    waiter = threading.Thread(target=lambda: replies.append(kv.handle(req(p.StoreOp.GET, "late", wait_seconds=5.0))))
+    waiter.start()
+    kv.handle(req(p.StoreOp.SET, "late", value=b64(b"here")))
+    waiter.join(5)
+    assert replies and replies[0].found and base64.b64decode(replies[0].value) == b"here"
+
+
+def test_add_counts_in_decimal_text_and_accepts_negative_amounts():
+    kv = KeyValueStore()
+    assert base64.b64decode(kv.handle(req(p.StoreOp.ADD, "c", amount="5")).value) == b"5"
+    assert base64.b64decode(kv.handle(req(p.StoreOp.ADD, "c", amount="-2")).value) == b"3"
+    assert base64.b64decode(kv.handle(req(p.StoreOp.GET, "c")).value) == b"3"
+
+
+def test_add_refuses_a_non_integer_amount():
+    with pytest.raises(p.ProtocolError, match="amount: expected an integer, got 'x'"):
+        KeyValueStore().handle(req(p.StoreOp.ADD, "c", amount="x"))
+
+
+def test_bad_base64_is_a_protocol_error():
+    with pytest.raises(p.ProtocolError, match="value: expected base64"):
+        KeyValueStore().handle(req(p.StoreOp.SET, "k", value="not base64!"))
+
+
+def test_check_delete_append_and_num_keys():
+    kv = KeyValueStore()
+    assert not kv.handle(req(p.StoreOp.CHECK, "a")).found
+    kv.handle(req(p.StoreOp.APPEND, "a", value=b64(b"x")))
+    kv.handle(req(p.StoreOp.APPEND, "a", value=b64(b"y")))
+    assert base64.b64decode(kv.handle(req(p.StoreOp.GET, "a")).value) == b"xy"
+    kv.handle(req(p.StoreOp.SET, "b", value=b64(b"1")))
+    assert kv.handle(req(p.StoreOp.NUM_KEYS)).count == 2
+    assert kv.handle(req(p.StoreOp.DELETE, "a")).found
+    assert not kv.handle(req(p.StoreOp.DELETE, "a")).found
+    assert kv.handle(req(p.StoreOp.NUM_KEYS)).count == 1
+
+
+def test_compare_set_sets_only_on_the_expected_value():
+    kv = KeyValueStore()
+    first = kv.handle(req(p.StoreOp.COMPARE_SET, "k", expected="", value=b64(b"one")))
+    assert base64.b64decode(first.value) == b"one"  # missing and nothing expected: set
+    wrong = kv.handle(req(p.StoreOp.COMPARE_SET, "k", expected=b64(b"zzz"), value=b64(b"two")))
+    assert base64.b64decode(wrong.value) == b"one"
+    right = kv.handle(req(p.StoreOp.COMPARE_SET, "k", expected=b64(b"one"), value=b64(b"two")))
+    assert base64.b64decode(right.value) == b"two"
+
+
+# ----- worker side, through the real signed service ----------------------------------
+
+
+@pytest.fixture
+def service() -> Iterator[RendezvousServer]:
+    server = RendezvousServer(Registry(), SECRET)
+    server.start()
+    yield server
+    server.close()
+
+
+def store_for(service: RendezvousServer, secret: str = SECRET, seconds: float = 5.0) -> DriverStore:
+    return DriverStore(DriverClient(service.url, secret, W), datetime.timedelta(seconds=seconds))
+
+
+def test_driver_store_speaks_torch_store_api(service):
+    store = store_for(service)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.check(["k", "n"]) and not store.check(["k", "absent"])
+    assert store.compare_set("k", b"v", b"w") == b"w"
+    assert store.num_keys() == 2
+    assert store.delete_key("k") and not store.check(["k"])
+    store.wait(["n"])
+
+
+def test_get_of_a_key_that_never_appears_fails_at_the_store_timeout(service):
+    store = store_for(service, seconds=0.3)
+    with pytest.raises(RendezvousError, match="store key 'never' did not appear within 0.3 s"):
+        store.get("never")
+
+
+def test_a_store_without_the_secret_is_refused_and_changes_nothing(service):
+    store_for(service).set("round/2/0", b"genuine")
+    intruder = store_for(service, secret="cd" * 32)
+    with pytest.raises(RendezvousError, match=r"\(401\)|failed authentication"):
+        intruder.set("round/2/0", b"poison")
+    assert store_for(service).get("round/2/0") == b"genuine"
+    assert service.rejected == 1
+
+
+RANK_SCRIPT = """
+import datetime, sys, torch, torch.distributed as dist
+from lightning_elastic.client import DriverClient
+from lightning_elastic.driver_store import DriverStore
+url, secret, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = DriverStore(DriverClient(url, secret, f"w{rank}"), datetime.timedelta(seconds=20))
+dist.init_process_group("gloo", store=dist.PrefixStore("lightning_elastic/round/1", store), rank=rank, world_size=2)
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+print(t.item())
+"""
+
+
+def test_a_gloo_group_forms_through_the_signed_store(service):
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, service.url, SECRET, str(r)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outputs = [proc.communicate(timeout=60) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    assert [out.strip() for out, _ in outputs] == ["3.0", "3.0"]
+    assert service.rejected == 0
