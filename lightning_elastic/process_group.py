@@ -1,8 +1,8 @@
 """Forming and tearing down the torch.distributed process group of one round.
 
 Backend: NCCL when CUDA is available (one device per worker: ``cuda:LOCAL_RANK``), gloo
-otherwise. Every round uses a fresh ``PrefixStore`` on the job's one TCPStore, so no key
-of an earlier round is ever read.
+otherwise. Every round uses a fresh ``PrefixStore`` on the job's one store (served by the
+driver), so no key of an earlier round is ever read.
 """
 
 from __future__ import annotations
