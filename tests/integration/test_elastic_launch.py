@@ -11,7 +11,6 @@ import json
 import os
 import signal
 
-import psutil
 import pytest
 import requests
 
