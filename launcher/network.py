@@ -114,15 +114,15 @@ def choose_driver_address(
         return address
     if interface is not None:
         return interface_address(interface)
-    sources: dict[str, str] = {}
     remote = [h for h in hosts if not is_local(h)]
+    if not remote:
+        return "127.0.0.1"
+    sources: dict[str, str] = {}
     for host in remote:
         target = resolve(host)
         source = route_source(target) if target else None
         if source is not None:
             sources[host] = source
-    if not remote:
-        return "127.0.0.1"
     if not sources:
         raise ConfigError(
             f"no route to any of the hosts {', '.join(remote)}: pass --driver-address or --network-interface"
