@@ -9,7 +9,7 @@ from typing import IO
 
 from launcher.network import collective_interface_env
 from launcher.processes.base import WorkerSpec
-from launcher.processes.output import LineForwarder
+from launcher.processes.output import LineForwarder, OutputSink, as_sink
 from launcher.processes.spawn import signal_group, spawn_worker
 from lightning_elastic.protocol import ENV_SECRET_FD
 
@@ -17,8 +17,8 @@ from lightning_elastic.protocol import ENV_SECRET_FD
 class LocalLauncher:
     """Starts workers as children of the driver, with the driver's environment underneath."""
 
-    def __init__(self, out: IO[str] | None = None) -> None:
-        self._out = out
+    def __init__(self, out: IO[str] | OutputSink | None = None) -> None:
+        self._sink = as_sink(out)  # one for all its workers: a broken stdout is reported once
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> LocalProcess:
         env = {**os.environ, **spec.env}
@@ -26,7 +26,7 @@ class LocalLauncher:
             env.update(collective_interface_env(env, env["MASTER_ADDR"]))
         proc = spawn_worker(spec.command, env, spec.secret, spec.cwd, subprocess.PIPE, ENV_SECRET_FD)
         assert proc.stdout is not None
-        forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._out, f"output-{proc.pid}")
+        forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._sink, f"output-{proc.pid}")
         forwarder.start()
         return LocalProcess(proc, forwarder)
 

@@ -26,7 +26,7 @@ from typing import IO
 
 from launcher.config import SshSettings
 from launcher.processes.base import WorkerSpec
-from launcher.processes.output import LineForwarder
+from launcher.processes.output import LineForwarder, OutputSink, as_sink
 from launcher.processes.spawn import die_with_parent_preexec
 from launcher.processes.supervisor import MARK
 from lightning_elastic.protocol import ENV_SECRET_FD
@@ -66,9 +66,9 @@ def remote_command(cwd: str, python: str = sys.executable) -> str:
 
 
 class SshLauncher:
-    def __init__(self, settings: SshSettings, out: IO[str] | None = None) -> None:
+    def __init__(self, settings: SshSettings, out: IO[str] | OutputSink | None = None) -> None:
         self._settings = settings
-        self._out = out
+        self._sink = as_sink(out)  # one for all its workers: a broken stdout is reported once
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> SshProcess:
         env = {k: os.environ[k] for k in FORWARDED_BY_DEFAULT if k in os.environ}
@@ -91,7 +91,7 @@ class SshLauncher:
             preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
         )
         assert proc.stdout is not None
-        forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._out, f"ssh-output-{proc.pid}")
+        forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._sink, f"ssh-output-{proc.pid}")
         forwarder.start()
         process = SshProcess(spec.host, proc, forwarder)
         process.send(json.dumps(start))
