@@ -13,6 +13,7 @@ from launcher.config import LaunchConfig, SshSettings, Timeouts
 from launcher.driver import launch
 from launcher.errors import ConfigError
 from launcher.hosts import HostSlots, count_slots, parse_host_list
+from launcher.processes.output import WRITE_ERRORS, flush_or_discard
 
 PROG = "lightning-elastic"
 
@@ -43,9 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: blacklisted for the rest of the job)")
     run.add_argument("--discovery-interval", type=float, default=1.0, metavar="SECONDS",
                      help="how often to run the discovery script (default: 1)")
-    run.add_argument("--heartbeat-timeout", type=float, default=Timeouts.heartbeat_timeout, metavar="SECONDS",
-                     help="a worker silent this long (hung, stopped, or its host unreachable) is lost "
-                          f"(default: {Timeouts.heartbeat_timeout:g})")
+    bounds = run.add_argument_group("bounds (seconds)")
+    bounds.add_argument("--heartbeat-timeout", type=float, default=Timeouts.heartbeat_timeout, metavar="SECONDS",
+                        help="a worker silent this long (hung, stopped, or its host unreachable) is lost "
+                             f"(default: {Timeouts.heartbeat_timeout:g})")
+    bounds.add_argument("--start-timeout", type=float, default=Timeouts.worker_arrival, metavar="SECONDS",
+                        help="how long a worker may take from its start (or a reset) to the rendezvous: imports, "
+                             f"data preparation, compilation (default: {Timeouts.worker_arrival:g})")
+    bounds.add_argument("--collective-timeout", type=float, default=Timeouts.process_group, metavar="SECONDS",
+                        help="torch.distributed timeout of a collective whose peers are alive "
+                             f"(default: {Timeouts.process_group:g})")
+    bounds.add_argument("--exit-timeout", type=float, default=Timeouts.exit, metavar="SECONDS",
+                        help="once training returned and a worker exited, how long the others may take to exit "
+                             f"(default: {Timeouts.exit:g})")
+    bounds.add_argument("--preemption-grace", type=float, default=Timeouts.preemption_grace, metavar="SECONDS",
+                        help="a worker sent SIGTERM leaves at its next check without rollback; after this long "
+                             f"it exits anyway (default: {Timeouts.preemption_grace:g}, as Kubernetes)")
+    run.add_argument("--repeated-error-limit", type=int, default=3, metavar="N",
+                     help="fail when the same collective error ends N consecutive rounds with no commit "
+                          "(default: 3; 0: never)")
     remote = run.add_argument_group("multiple machines")
     remote.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh port of the hosts (default: ssh's own)")
     remote.add_argument("--ssh-identity-file", type=Path, metavar="PATH", help="private key for ssh")
@@ -83,7 +100,14 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if script is not None and not os.access(script, os.X_OK):
         raise ConfigError(f"--host-discovery-script: {script} is not an executable file")
     return LaunchConfig(
-        timeouts=Timeouts(heartbeat_timeout=args.heartbeat_timeout),
+        timeouts=Timeouts(
+            heartbeat_timeout=args.heartbeat_timeout,
+            worker_arrival=args.start_timeout,
+            process_group=args.collective_timeout,
+            exit=args.exit_timeout,
+            preemption_grace=args.preemption_grace,
+        ),
+        repeated_error_limit=args.repeated_error_limit,
         ssh=SshSettings(
             port=args.ssh_port,
             identity_file=args.ssh_identity_file,
@@ -132,9 +156,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     result = launch(config)
-    print(result.summary(), file=sys.stderr)
     verdict = "succeeded" if result.success else "failed"
-    print(f"{PROG}: job {verdict}: {result.reason}", file=sys.stderr)
+    try:
+        print(result.summary(), file=sys.stderr)
+        print(f"{PROG}: job {verdict}: {result.reason}", file=sys.stderr)
+    except WRITE_ERRORS:
+        pass  # stderr is gone too (`2>&1 | head`): only the exit status is left to tell
+    # The reader of our output may be gone (`| head`). Python flushes stdout and stderr at
+    # exit, and a failed flush there prints "Exception ignored ... BrokenPipeError" and makes
+    # the exit status 120: flush now, and point a dead stream at /dev/null, so that the
+    # status stays the job's.
+    flush_or_discard(sys.stdout)
+    flush_or_discard(sys.stderr)
     return result.exit_code
 
 

@@ -19,16 +19,35 @@ class Timeouts:
     # A worker whose last heartbeat is older than this is wedged (e.g. SIGSTOPped): the
     # driver kills it, which turns a hang of its peers into a prompt collective error.
     heartbeat_timeout: float = 10.0
-    # From spawn (or from the start of a round's formation) to a worker's arrival at the
-    # rendezvous; importing torch and Lightning on a loaded machine takes several seconds.
-    worker_arrival: float = 120.0
+    # --start-timeout: from spawn (or from a reset) to a worker's arrival at the rendezvous.
+    # A script may import Lightning, prepare data and compile before it builds the Trainer
+    # that joins the job: minutes, not seconds.
+    worker_arrival: float = 600.0
     # How long a worker that caught an exception waits to learn whether its round lost a
     # member (collective failure) before treating the error as its own.
     lost_member_wait: float = 5.0
     # SIGTERM, then SIGKILL after this long, when the driver stops workers.
     stop_grace: float = 5.0
-    # torch.distributed process-group timeout: bounds a collective whose peer hangs.
-    process_group: float = 60.0
+    # --collective-timeout: torch.distributed's process-group timeout. It bounds only a
+    # collective whose peer is alive but never joins (a lost peer is detected without it),
+    # so it is long, like torch's own default: a rank may validate or checkpoint meanwhile.
+    process_group: float = 1800.0
+    # --exit-timeout: once training returned everywhere and a worker exited, how long the
+    # others may take to exit (post-training work, teardown) before they are stopped.
+    exit: float = 60.0
+    # --preemption-grace: a worker sent SIGTERM has this long to leave gracefully.
+    preemption_grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        for option, value in (
+            ("--start-timeout", self.worker_arrival),
+            ("--collective-timeout", self.process_group),
+            ("--exit-timeout", self.exit),
+            ("--preemption-grace", self.preemption_grace),
+        ):
+            # "not > 0" so NaN fails too; inf would turn a bound into none.
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{option}: expected a positive, finite number of seconds, got {value}")
     # Driver loop tick: how often it reaps processes and re-evaluates its decision.
     tick: float = 0.05
 
@@ -77,6 +96,9 @@ class LaunchConfig:
     env: tuple[tuple[str, str], ...] = ()
     driver_address: str | None = None  # --driver-address; None: detected from the hosts
     network_interface: str | None = None  # --network-interface
+    # --repeated-error-limit: end the job when the same collective error ends this many
+    # consecutive rounds with no commit in between (0: never).
+    repeated_error_limit: int = 3
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -93,6 +115,8 @@ class LaunchConfig:
         # allowed: it means wait for slots for ever.
         if not self.elastic_timeout > 0:
             raise ConfigError(f"--elastic-timeout: must be positive, got {self.elastic_timeout}")
+        if self.repeated_error_limit < 0:
+            raise ConfigError(f"--repeated-error-limit: must be 0 (off) or more, got {self.repeated_error_limit}")
         if self.reset_limit is not None and self.reset_limit < 0:
             raise ConfigError(f"--reset-limit: must be 0 or more, got {self.reset_limit}")
         if not math.isfinite(self.discovery_interval):  # NaN and inf pass "<= 0"; inf breaks Event.wait

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -23,6 +25,10 @@ class HostDiscovery(Protocol):
         """The hosts available now, in the source's order; raises DiscoveryError."""
         ...
 
+    def cancel(self) -> None:
+        """Abandon a discovery in progress (the job is ending)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class FixedHosts:
@@ -31,31 +37,65 @@ class FixedHosts:
     def discover(self) -> list[HostSlots]:
         return list(self.hosts)
 
+    def cancel(self) -> None:
+        pass
 
-@dataclasses.dataclass(frozen=True)
+
 class ScriptDiscovery:
-    script: Path
-    default_slots: int | None
+    """Runs the user's script; a run that hangs is killed with everything it started."""
+
+    def __init__(self, script: Path, default_slots: int | None) -> None:
+        self.script = script
+        self.default_slots = default_slots
+        self._lock = threading.Lock()
+        self._running: subprocess.Popen[str] | None = None
+        self._cancelled = False
 
     def discover(self) -> list[HostSlots]:
         try:
-            done = subprocess.run(
-                [str(self.script)], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT
-            )
-        except subprocess.TimeoutExpired:
-            raise DiscoveryError(
-                f"host discovery script {self.script} did not finish within {SCRIPT_TIMEOUT:.0f} s"
-            ) from None
+            with self._lock:
+                if self._cancelled:
+                    raise DiscoveryError("host discovery was cancelled: the job is ending")
+                # Its own session: on a timeout, children that still hold its stdout die too.
+                proc = subprocess.Popen(
+                    [str(self.script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    start_new_session=True,
+                )
+                self._running = proc
+            try:
+                stdout, stderr = proc.communicate(timeout=SCRIPT_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.communicate()
+                raise DiscoveryError(
+                    f"host discovery script {self.script} did not finish within {SCRIPT_TIMEOUT:.0f} s"
+                ) from None
+            finally:
+                with self._lock:
+                    self._running = None
         except OSError as err:
             raise DiscoveryError(
                 f"host discovery script {self.script} cannot be run: {err.strerror}"
             ) from None
-        if done.returncode != 0:
-            detail = done.stderr.strip().splitlines()[-1:] or ["no output on stderr"]
+        if proc.returncode != 0:
+            detail = stderr.strip().splitlines()[-1:] or ["no output on stderr"]
             raise DiscoveryError(
-                f"host discovery script {self.script} exited with status {done.returncode}: {detail[0]}"
+                f"host discovery script {self.script} exited with status {proc.returncode}: {detail[0]}"
             )
-        return parse_discovery_output(done.stdout, self.default_slots)
+        return parse_discovery_output(stdout, self.default_slots)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._running is not None:
+                _kill_group(self._running)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +134,7 @@ class DiscoveryPoller:
 
     def close(self) -> None:
         self._stop.set()
+        self._discovery.cancel()  # a hanging script must not hold the driver's exit
         if self._thread is not None:
             self._thread.join(timeout=SCRIPT_TIMEOUT + 1)
 
@@ -102,6 +143,8 @@ class DiscoveryPoller:
             try:
                 self._publish(self._discovery.discover(), None)
             except DiscoveryError as err:
+                if self._stop.is_set():
+                    return  # cancelled by close()
                 log.warning("Host discovery failed, will retry: %s", err)
                 self._publish(None, str(err))
             except Exception as err:  # hand every failure to the driver, never die silently

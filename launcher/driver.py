@@ -28,17 +28,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from launcher import policy
+from launcher import membership, policy
 from launcher.config import LaunchConfig
 from launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
 from launcher.errors import ConfigError, LaunchError
 from launcher.host_manager import HostManager
-from launcher.hosts import SlotAssignment, SlotKey, assign_slots, count_slots
+from launcher.hosts import SlotAssignment, SlotKey, count_slots
 from launcher.network import HostClassifier, choose_driver_address
 from launcher.processes.base import HostRouter, WorkerLauncher, WorkerProcess, WorkerSpec, describe_status, stop_all
 from launcher.processes.local import LocalLauncher
+from launcher.processes.output import OutputSink
 from launcher.processes.ssh import SshLauncher
-from launcher.registry import Registry, RoundInfo, WorkerRecord, WorkerState
+from launcher.registry import Registry, WorkerRecord, WorkerState
 from launcher.rendezvous_server import RendezvousServer
 from lightning_elastic import protocol as p
 
@@ -57,6 +58,7 @@ class JobResult:
     blacklisted: tuple[str, ...]
     duration: float
     rejected_requests: int
+    departures: tuple[str, ...] = ()  # workers that left gracefully on a preemption notice
 
     @property
     def exit_code(self) -> int:
@@ -71,6 +73,9 @@ class JobResult:
             f"  failures:      {len(self.failures)}",
         ]
         lines += [f"    - {f}" for f in self.failures]
+        if self.departures:
+            lines.append(f"  preempted:     {len(self.departures)} (left without rollback)")
+            lines += [f"    - {d}" for d in self.departures]
         lines.append(f"  blacklisted:   {', '.join(self.blacklisted) or 'none'}")
         if self.rejected_requests:
             lines.append(f"  rejected rendezvous requests: {self.rejected_requests}")
@@ -97,7 +102,7 @@ class Driver:
         self._address = "127.0.0.1"  # where workers reach the driver; chosen from the first hosts
         self._discovery = DiscoveryPoller(discovery, config.discovery_interval)
         self._hosts = HostManager(config.blacklist_cooldown, clock)
-        self._registry = Registry(clock)
+        self._registry = Registry(clock, config.repeated_error_limit)
         self._secret = secrets.token_hex(32)
         self._server: RendezvousServer | None = None
         self._processes: dict[str, WorkerProcess] = {}
@@ -114,6 +119,8 @@ class Driver:
         self._failures: list[str] = []
         self._blacklisted: list[str] = []
         self._failure_of: dict[str, str] = {}
+        self._departures: list[str] = []
+        self._first_exit: tuple[float, str] | None = None  # when and who, once training has returned
         self._refused_hosts: set[str] = set()
         self._stop_requested = threading.Event()
         self._stop_signal = ""
@@ -159,6 +166,8 @@ class Driver:
         log.info("Rendezvous service and process-group store at %s.", self._server.url)
 
     def _shutdown(self) -> None:
+        with self._registry.cond:
+            self._registry.closing = True  # a SIGTERM from stop_all below means "exit now"
         self._discovery.close()
         procs = list(self._processes.values())
         if any(p_.poll() is None for p_ in procs):
@@ -176,6 +185,7 @@ class Driver:
             blacklisted=tuple(self._blacklisted),
             duration=self._clock() - self._started_at,
             rejected_requests=self._server.rejected if self._server else 0,
+            departures=tuple(self._departures),
         )
 
     # ----- the loop -------------------------------------------------------------------
@@ -191,6 +201,7 @@ class Driver:
                 self._hosts.tick()
                 self._reap(now)
                 self._kill_wedged(now)
+                self._enforce_exit_timeout(now)
                 verdict = self._verdict(now)
                 if verdict is None:
                     verdict = self._plan()
@@ -252,6 +263,7 @@ class Driver:
             p.ENV_ELASTIC_TIMEOUT: str(self._config.elastic_timeout),
             p.ENV_LOST_MEMBER_WAIT: str(t.lost_member_wait),
             p.ENV_PROCESS_GROUP_TIMEOUT: str(t.process_group),
+            p.ENV_PREEMPTION_GRACE: str(t.preemption_grace),
             # The usual torch variables, as planned; le.init() updates them every round.
             "RANK": str(slot.rank),
             "WORLD_SIZE": str(slot.size),
@@ -287,13 +299,15 @@ class Driver:
             return
         log.info("Stopping worker %s: %s.", record.worker_id, why)
         record.leave = True
+        record.stopping = True
         proc = self._processes[record.worker_id]
         proc.signal(signal.SIGTERM)
         proc.signal(signal.SIGCONT)
         self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
 
     def _reap(self, now: float) -> None:
-        for record in self._registry.live_workers():
+        reg = self._registry
+        for record in reg.live_workers():
             proc = self._processes[record.worker_id]
             status = proc.poll()
             if status is None:
@@ -303,21 +317,39 @@ class Driver:
                 continue
             record.exit_status = status
             self._stopping.pop(record.worker_id, None)
+            in_round = reg.current_member(record)
             outcome = record.report.outcome if record.report else None
-            was_member = record.assignment is not None and self._registry.round is not None and (
-                record.worker_id in self._registry.round.members
-            )
-            if outcome == p.Outcome.DONE:
+            finishing = self._finishing()
+            if outcome == p.Outcome.DONE and status == 0:
                 record.state = WorkerState.DONE
-                log.info("Worker %s finished training (exit status %d).", record.worker_id, status)
-            elif outcome == p.Outcome.REMOVED or record.leave:
+                log.info("Worker %s finished training and exited.", record.worker_id)
+            elif outcome == p.Outcome.REMOVED:
+                record.state = WorkerState.REMOVED
+                if record.departing:
+                    self._departures.append(f"worker {record.worker_id} left on {record.departing}")
+                    log.info("Worker %s left the job on %s; host %s stays usable.",
+                             record.worker_id, record.departing, record.slot.host)
+                else:
+                    log.info("Worker %s left the job (exit status %d).", record.worker_id, status)
+            elif record.leave and not record.departing and record.worker_id not in self._kill_reasons:
+                # Told to leave (its slot was removed) or stopped by the driver: not a failure,
+                # but a member that goes before it reaches the rendezvous is lost to its round.
                 record.state = WorkerState.REMOVED
                 log.info("Worker %s left the job (exit status %d).", record.worker_id, status)
+                if in_round and not finishing:
+                    reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was stopped")  # type: ignore[union-attr]
             else:
-                self._fail(record, status, was_member)
-            self._registry.cond.notify_all()
+                self._fail(record, status, in_round and not finishing, blacklist=not finishing)
+            if finishing and self._first_exit is None:
+                self._first_exit = (now, record.worker_id)
+            reg.cond.notify_all()
 
-    def _fail(self, record: WorkerRecord, status: int, was_member: bool) -> None:
+    def _finishing(self) -> bool:
+        """Has training returned in the current round (some member reported DONE)?"""
+        current = self._registry.round
+        return current is not None and any(self._registry.workers[w].reported_done for w in current.members)
+
+    def _fail(self, record: WorkerRecord, status: int, break_round: bool, blacklist: bool = True) -> None:
         record.state = WorkerState.FAILED
         proc = self._processes[record.worker_id]
         detail = proc.exit_detail()
@@ -327,6 +359,10 @@ class Driver:
             how = "exited with status 0 without reporting that training returned"
         else:
             how = describe_status(status)
+        if record.reported_done and status != 0:
+            how += " after training returned"
+        if record.departing:
+            how += f" before it could leave on {record.departing}"
         if record.worker_id in self._kill_reasons:
             how += f": {self._kill_reasons[record.worker_id]}"
         if record.report and record.report.outcome == p.Outcome.FAILED and record.report.message:
@@ -336,9 +372,11 @@ class Driver:
         self._failures.append(text)
         log.warning("Worker %s %s.", record.worker_id, how)
         round_ = self._registry.round
-        if was_member and round_ is not None:
-            self._registry.mark_round_broken(round_.number)
+        if break_round and round_ is not None:
+            self._registry.mark_round_broken(round_.number, text)
         host = record.slot.host
+        if not blacklist:
+            return  # training is over: nothing more to run on any host
         if not self._hosts.is_blacklisted(host):
             cooldown = self._hosts.blacklist(host)
             self._blacklisted.append(host)
@@ -350,6 +388,25 @@ class Driver:
         for other in self._registry.live_workers():
             if other.slot.host == host:
                 self._stop_worker(other, f"its host {host} is blacklisted")
+
+    def _enforce_exit_timeout(self, now: float) -> None:
+        """Training returned and a worker exited: the others get --exit-timeout to follow."""
+        if self._first_exit is None:
+            return
+        since, first = self._first_exit
+        limit = self._config.timeouts.exit
+        if now - since <= limit:
+            return
+        for record in self._registry.live_workers():
+            if record.worker_id not in self._stopping:
+                why = f"it did not exit within {limit:g} s of worker {first}"
+                log.warning("Stopping worker %s: %s.", record.worker_id, why)
+                self._kill_reasons[record.worker_id] = why
+                record.stopping = True
+                proc = self._processes[record.worker_id]
+                proc.signal(signal.SIGTERM)
+                proc.signal(signal.SIGCONT)
+                self._stopping[record.worker_id] = now + self._config.timeouts.stop_grace
 
     def _kill_wedged(self, now: float) -> None:
         t = self._config.timeouts
@@ -368,8 +425,13 @@ class Driver:
         """SIGKILL a wedged worker: its peers then fail promptly instead of at a timeout."""
         log.warning("Killing worker %s: %s.", record.worker_id, why)
         self._kill_reasons[record.worker_id] = why
+        record.stopping = True
         self._processes[record.worker_id].signal(signal.SIGKILL)
         self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
+        reg = self._registry
+        if reg.current_member(record) and not self._finishing():
+            # Its peers learn at once, not when the kill has been reaped.
+            reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was killed: {why}")  # type: ignore[union-attr]
 
     def _late_for_rendezvous(self, record: WorkerRecord, now: float) -> bool:
         """A member still away from the rendezvous long after its round was reset.
@@ -391,10 +453,13 @@ class Driver:
         members = ()
         if reg.round is not None:
             members = tuple(
-                policy.MemberView(w, reg.workers[w].state, self._failure_of.get(w, ""))
+                policy.MemberView(
+                    w, reg.workers[w].state, self._failure_of.get(w, ""), reg.workers[w].reported_done
+                )
                 for w in reg.round.members
             )
-        available = count_slots(self._hosts.available())
+        vacant = {w.slot for w in reg.live_workers() if w.departing}
+        available = count_slots(self._hosts.available()) - len(vacant)
         required = self._required_slots()
         if available < required:
             if self._below_since is None:
@@ -412,115 +477,78 @@ class Driver:
             below_required_for=None if self._below_since is None else now - self._below_since,
             discovery_error=self._discovery_error,
             last_failure=self._failures[-1] if self._failures else "",
+            repeated_error=reg.repeated_error,
         )
         return policy.decide_verdict(view, self._config.elastic_timeout)
 
     def _required_slots(self) -> int:
         return self._config.min_np if self._registry.round is not None else self._config.np
 
-    def _plan(self) -> policy.Verdict | None:
+    def _membership_view(self) -> membership.MembershipView:
         reg = self._registry
-        if self._below_since is not None:
-            return None  # wait for hosts; the elastic timeout bounds this
+
+        def view_of(record: WorkerRecord) -> membership.WorkerView:
+            return membership.WorkerView(
+                record.worker_id, record.slot, record.state, record.leave, bool(record.departing),
+                record.arrived_after_round,
+            )
+
         current = reg.round
-        if current is not None and any(reg.workers[w].state == WorkerState.DONE for w in current.members):
-            return None  # training has finished in this round: no new round, only exits to await
-        desired = assign_slots(self._hosts.available(), self._config.max_np)
-        broken = current is not None and current.number in reg.broken_rounds
-        staffed = {w.slot for w in reg.live_workers() if not w.leave}
-        if [a.slot for a in desired] != [a.slot for a in self._target] or any(
-            a.slot not in staffed for a in desired
-        ):
-            verdict = self._retarget(desired)
+        return membership.MembershipView(
+            hosts=tuple(self._hosts.available()),
+            max_np=self._config.max_np,
+            workers=tuple(view_of(w) for w in reg.live_workers()),
+            target=tuple(self._target),
+            round_number=current.number if current else 0,
+            round_members=tuple(view_of(reg.workers[w]) for w in current.members) if current else (),
+            round_broken=current is not None and current.number in reg.broken_rounds,
+            announced_for=self._announced_for,
+            required_slots=self._required_slots(),
+        )
+
+    def _plan(self) -> policy.Verdict | None:
+        view = self._membership_view()
+        if self._below_since is not None and not membership.vacant_slots(view):
+            return None  # wait for hosts; the elastic timeout bounds this
+        if self._finishing():
+            return None  # training has returned in this round: no new round, only exits to await
+        new = membership.plan(view)
+        if new is not None:
+            verdict = membership.check_plan_keeps_state(view, new)
             if verdict is not None:
                 return verdict
-        # A broken round needs no announcement: its survivors' collectives fail and they
-        # come back to the rendezvous on their own.
-        self._announce_if_ready(current, broken)
-        return None
-
-    def _retarget(self, desired: list[SlotAssignment]) -> policy.Verdict | None:
-        reg = self._registry
-        by_slot = {w.slot: w for w in reg.live_workers() if not w.leave}
-        if reg.round is not None:
-            previous_hosts = sorted({reg.workers[w].slot.host for w in reg.round.members})
-            surviving = sorted(
-                {
-                    a.slot.host
-                    for a in desired
-                    if a.slot in by_slot and by_slot[a.slot].worker_id in reg.round.members
-                }
-            )
-            verdict = policy.check_previous_hosts_remain(
-                previous_hosts, surviving, [a.slot.host for a in desired]
-            )
-            if verdict is not None:
-                return verdict
-        self._target = desired
-        log.info("Target world: %d slot(s): %s.", len(desired), ", ".join(str(a.slot) for a in desired))
-        wanted = {a.slot for a in desired}
-        for record in reg.live_workers():
-            if record.slot not in wanted:
-                record.leave = True  # answered EXIT at its next rendezvous
-                reg.cond.notify_all()
-        for a in desired:
-            if a.slot not in by_slot:
-                self._spawn(a)
-        return None
-
-    def _announce_if_ready(self, current: RoundInfo | None, broken: bool) -> None:
-        """Bump the generation so members leave their round at the same step.
-
-        Joiners are given the time to start first (importing torch takes seconds) so the
-        members keep training meanwhile; a removal is announced at once.
-        """
-        reg = self._registry
-        if current is None:
-            return
-        if broken:
-            if self._reset_pending_since is None:
-                self._reset_pending_since = self._clock()
-            return
-        target_slots = tuple(a.slot for a in self._target)
-        if target_slots == self._announced_for:
-            return
-        members = [reg.workers[w] for w in current.members]
-        if target_slots == tuple(m.slot for m in members if not m.state.finished):
-            return
-        member_ids = set(current.members)
-        by_slot = {w.slot: w for w in reg.live_workers()}
-        joiners = [
-            by_slot.get(s) for s in target_slots if s not in by_slot or by_slot[s].worker_id not in member_ids
-        ]
-        removal = any(m.leave for m in members)
-        joiners_ready = all(j is not None and j.state == WorkerState.WAITING for j in joiners)
-        if removal or joiners_ready:
-            generation = reg.bump_generation()
-            self._announced_for = target_slots
+            self._apply(new)
+            view = self._membership_view()
+        if view.round_broken and self._reset_pending_since is None:
             self._reset_pending_since = self._clock()
-            log.info("Announced host change to the workers of round %d (generation %d).", current.number, generation)
+        if membership.announcement_due(view):
+            generation = self._registry.bump_generation()
+            self._announced_for = membership.slots_of(self._target)
+            self._reset_pending_since = self._clock()
+            log.info("Announced host change to the workers of round %d (generation %d).", view.round_number, generation)
+        return None
+
+    def _apply(self, new: membership.Plan) -> None:
+        reg = self._registry
+        self._target = list(new.target)
+        log.info("Target world: %d slot(s): %s.", len(new.target), ", ".join(str(a.slot) for a in new.target))
+        for worker_id in new.leave:
+            reg.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
+        reg.cond.notify_all()
+        for a in new.spawn:
+            self._spawn(a)
 
     def _maybe_form_round(self) -> policy.Verdict | None:
         reg = self._registry
-        if not self._target:
+        chosen = membership.round_to_form(self._membership_view())
+        if chosen is None:
             return None
-        by_slot = {w.slot: w for w in reg.live_workers() if not w.leave}
-        members = []
-        for a in self._target:
-            record = by_slot.get(a.slot)
-            if record is None or record.state != WorkerState.WAITING:
-                return None
-            members.append((record, a))
-        current = reg.round
-        if current is not None:
-            last_round = current.number
-            fresh = all(r.arrived_after_round in (last_round, 0) for r, _ in members)
-            if not fresh:
-                return None
+        if reg.round is not None:
             verdict = policy.check_reset_limit(len(self._rounds) - 1, self._config.reset_limit)
             if verdict is not None:
                 return verdict
         assert self._server is not None
+        members = [(reg.workers[worker_id], a) for worker_id, a in chosen]
         info = reg.form_round(members, (self._address, self._server.port))
         self._rounds.append(len(members))
         self._announced_for = None
@@ -542,7 +570,8 @@ def make_discovery(config: LaunchConfig) -> HostDiscovery:
 def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
     """Run one elastic job to its end; SIGINT and SIGTERM stop it and every worker."""
     classifier = HostClassifier()
-    router = HostRouter(LocalLauncher(out), SshLauncher(config.ssh, out), classifier.is_local)
+    sink = OutputSink(out)  # one for every worker's output: a broken stdout is said once
+    router = HostRouter(LocalLauncher(sink), SshLauncher(config.ssh, sink), classifier.is_local)
     driver = Driver(config, make_discovery(config), router, classifier.is_local)
     previous = {}
     if threading.current_thread() is threading.main_thread():

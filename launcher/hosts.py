@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 from launcher.errors import ConfigError, DiscoveryError
 
@@ -94,33 +95,38 @@ def _unique(hosts: list[HostSlots], what: str) -> list[HostSlots]:
     return hosts
 
 
-def assign_slots(hosts: Sequence[HostSlots], max_np: int) -> list[SlotAssignment]:
+def assign_slots(
+    hosts: Sequence[HostSlots], max_np: int, vacant: AbstractSet[SlotKey] = frozenset()
+) -> list[SlotAssignment]:
     """Assign ranks host by host in the given order, at most ``max_np`` in all.
 
     The caller orders hosts oldest first, so surviving workers keep the lowest ranks and
     rank 0 (the root of every state broadcast) holds current state. ``cross_rank`` is the
-    host's index among hosts that have a slot with the same local rank.
+    host's index among hosts that have a slot with the same local rank. ``vacant`` slots
+    (their workers are leaving) are skipped; the others keep their local rank, which a
+    worker keeps for life (it names its GPU).
     """
-    chosen: list[tuple[HostSlots, int]] = []
+    chosen: list[tuple[HostSlots, list[int]]] = []
     remaining = max_np
     for h in hosts:
         if remaining <= 0:
             break
-        take = min(h.slots, remaining)
-        chosen.append((h, take))
-        remaining -= take
-    size = sum(take for _, take in chosen)
+        local_ranks = [lr for lr in range(h.slots) if SlotKey(h.host, lr) not in vacant][:remaining]
+        if local_ranks:
+            chosen.append((h, local_ranks))
+            remaining -= len(local_ranks)
+    size = sum(len(taken) for _, taken in chosen)
     result = []
     rank = 0
-    for host_index, (h, take) in enumerate(chosen):
-        for local_rank in range(take):
-            peers = [i for i, (_, t) in enumerate(chosen) if t > local_rank]
+    for host_index, (h, taken) in enumerate(chosen):
+        for local_rank in taken:
+            peers = [i for i, (_, t) in enumerate(chosen) if local_rank in t]
             result.append(
                 SlotAssignment(
                     slot=SlotKey(h.host, local_rank),
                     rank=rank,
                     size=size,
-                    local_size=take,
+                    local_size=len(taken),
                     cross_rank=peers.index(host_index),
                     cross_size=len(peers),
                 )

@@ -23,6 +23,7 @@ class MemberView:
     worker_id: str
     state: WorkerState
     failure: str  # why it failed, when it did
+    reported_done: bool = False  # said that training returned (it may not have exited yet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,21 +37,29 @@ class JobView:
     below_required_for: float | None  # seconds spent below required_slots, if below now
     discovery_error: str | None  # the latest discovery failure, if the latest poll failed
     last_failure: str = ""  # the latest worker failure, to explain a blacklist
+    repeated_error: str | None = None  # the same collective error ended too many rounds
 
 
 def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
     """The job's end, or None while it goes on. Checked in order of how informative it is."""
     members = view.members
-    states = [m.state for m in members]
-    if members and all(s == WorkerState.DONE for s in states):
-        return Verdict(True, f"training finished on all {len(members)} worker(s) of round {view.round_number}")
-    failed = [m for m in members if m.state == WorkerState.FAILED]
-    if failed and WorkerState.DONE in states:
+    if view.repeated_error:
+        return Verdict(False, view.repeated_error)
+    if members and any(m.reported_done for m in members):
+        # Training returned: the job succeeds only if every member also exits 0. Wait for
+        # all of them (--exit-timeout bounds it) so none is cut off while saving results.
+        if not all(m.state.finished for m in members):
+            return None
+        unfinished = [m for m in members if m.state != WorkerState.DONE]
+        if not unfinished:
+            return Verdict(True, f"training finished on all {len(members)} worker(s) of round {view.round_number}")
+        first = unfinished[0]
         return Verdict(
             False,
-            f"worker {failed[0].worker_id} failed after other workers of round "
-            f"{view.round_number} had finished: {failed[0].failure}",
+            f"training returned in round {view.round_number} but not every worker finished cleanly: "
+            f"{first.failure or f'worker {first.worker_id} was {first.state.value}'}",
         )
+    failed = [m for m in members if m.state == WorkerState.FAILED]
     if members and len(failed) == len(members):
         return Verdict(
             False,

@@ -8,15 +8,19 @@ the driver loop makes every membership decision. A ``threading.Condition`` wakes
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 from launcher.hosts import SlotAssignment, SlotKey
 from lightning_elastic.protocol import (
     Assignment,
     HeartbeatReply,
+    LeaveReply,
+    LeaveRequest,
     HeartbeatRequest,
     Outcome,
     RendezvousReply,
@@ -28,6 +32,8 @@ from lightning_elastic.protocol import (
     RENDEZVOUS_POLL,
 )
 
+
+log = logging.getLogger("lightning_elastic.driver")
 
 
 class WorkerState(str, Enum):
@@ -68,7 +74,13 @@ class WorkerRecord:
     asking_round: int | None = None  # set while it asks whether its round lost a member
     report: Report | None = None
     leave: bool = False  # answer EXIT at its next rendezvous
+    departing: str = ""  # why it asked to leave (a preemption notice): its slot is vacant
+    stopping: bool = False  # the driver is stopping it (SIGTERM, then SIGKILL)
     exit_status: int | None = None
+
+    @property
+    def reported_done(self) -> bool:
+        return self.report is not None and self.report.outcome == Outcome.DONE
 
     @property
     def rank(self) -> int | None:
@@ -80,16 +92,33 @@ class RoundInfo:
     number: int
     members: tuple[str, ...]  # worker ids in rank order
     generation: int
+    slots: tuple[SlotKey, ...] = ()  # the members' slots, in rank order
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundBreak:
+    """How a round ended early: the first fact that broke it."""
+
+    round: int
+    slots: tuple[SlotKey, ...]  # the round's members
+    cause: str  # for the log and the verdict
+    error: str = ""  # the collective error a member left the round with; "" when a member was lost
+    commits: int = 0  # commits the round made before the error
 
 
 class Registry:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, repeated_error_limit: int = 3) -> None:
         self._clock = clock
+        self._repeated_error_limit = repeated_error_limit
         self.cond = threading.Condition()
         self.workers: dict[str, WorkerRecord] = {}
         self.round: RoundInfo | None = None
         self.generation = 0
         self.broken_rounds: set[int] = set()
+        self.breaks: list[RoundBreak] = []  # in round order
+        # Set once the same collective error has ended too many rounds: the job's end.
+        self.repeated_error: str | None = None
+        self.closing = False  # the driver is shutting down: no graceful leaves any more
         # Rounds in which every live member once asked round_lost at the same time: the same
         # error everywhere is the user's own. Sticky, so members answered later agree.
         self.user_error_rounds: set[int] = set()
@@ -109,9 +138,21 @@ class Registry:
         self.cond.notify_all()
         return self.generation
 
-    def mark_round_broken(self, number: int) -> None:
+    def mark_round_broken(self, number: int, cause: str = "a member was lost", error: str = "", commits: int = 0) -> bool:
+        """Record that round ``number`` lost a member; False if it was already broken."""
+        if number in self.broken_rounds:
+            return False
         self.broken_rounds.add(number)
+        slots = self.round.slots if self.round is not None and self.round.number == number else ()
+        self.breaks.append(RoundBreak(number, slots, cause, error, commits))
+        log.info("Round %d is broken: %s.", number, cause)
+        if self.repeated_error is None:
+            self.repeated_error = repeated_collective_error(self.breaks, self._repeated_error_limit)
         self.cond.notify_all()
+        return True
+
+    def current_member(self, record: WorkerRecord) -> bool:
+        return self.round is not None and record.worker_id in self.round.members and record.state == WorkerState.MEMBER
 
     def form_round(
         self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]
@@ -134,7 +175,9 @@ class Registry:
             record.state = WorkerState.MEMBER
             record.arrived_after_round = None
             record.waiting_since = None
-        self.round = RoundInfo(number, tuple(r.worker_id for r, _ in members), self.generation)
+        self.round = RoundInfo(
+            number, tuple(r.worker_id for r, _ in members), self.generation, tuple(r.slot for r, _ in members)
+        )
         self.cond.notify_all()
         return self.round
 
@@ -157,6 +200,7 @@ class Registry:
                 # the reply is lost): answer it again rather than turn a member into a
                 # waiting worker that no round will ever pick up again.
                 return RendezvousReply(RendezvousStatus.ASSIGNED, record.assignment)
+            self._note_left_round(record, request.after_round)
             if record.arrived_after_round != request.after_round or record.state != WorkerState.WAITING:
                 record.waiting_since = now
             record.arrived_after_round = request.after_round
@@ -171,6 +215,22 @@ class Registry:
                 if remaining <= 0 or record.state.finished:
                     return RendezvousReply(RendezvousStatus.WAIT)
                 self.cond.wait(remaining)
+
+    def _note_left_round(self, record: WorkerRecord, after_round: int) -> None:
+        """A member back at the rendezvous with no change announced has left its round.
+
+        Its peers cannot complete a collective without it (say its own collective timed
+        out): for them it is lost, exactly as if it had exited.
+        """
+        current = self.round
+        if (
+            current is not None
+            and after_round == current.number
+            and self.current_member(record)
+            and self.generation == current.generation
+            and not record.leave
+        ):
+            self.mark_round_broken(current.number, f"worker {record.worker_id} left round {current.number}")
 
     @staticmethod
     def _assigned_after(record: WorkerRecord, after_round: int) -> bool:
@@ -207,6 +267,8 @@ class Registry:
             record.last_heartbeat = self._clock()
             self.cond.notify_all()
             try:
+                if request.collective:
+                    return self._collective_error(record, request)
                 while True:
                     if request.round in self.user_error_rounds:
                         return RoundLostReply(False)
@@ -223,6 +285,31 @@ class Registry:
             finally:
                 record.asking_round = None
 
+    def _collective_error(self, record: WorkerRecord, request: RoundLostRequest) -> RoundLostReply:
+        """A collective error takes its member out of the round whatever else happened, so
+        the round is broken (its peers recover) unless the same error keeps repeating."""
+        if request.round not in self.broken_rounds and self.round is not None and request.round == self.round.number:
+            self.mark_round_broken(
+                request.round,
+                f"worker {record.worker_id} left round {request.round} after a collective error: {request.error}",
+                error=request.error or "collective error",
+                commits=request.commits,
+            )
+        if self.repeated_error is not None:
+            return RoundLostReply(False, self.repeated_error)
+        return RoundLostReply(True)
+
+    def leave(self, request: LeaveRequest) -> LeaveReply:
+        """A worker got a preemption notice: let it leave at its next check, or not."""
+        with self.cond:
+            record = self._get(request.worker_id)
+            if self.closing or record.stopping or record.reported_done:
+                return LeaveReply(False)
+            record.departing = request.reason or "preempted"
+            record.leave = True
+            self.cond.notify_all()
+            return LeaveReply(True)
+
     def _all_members_asking(self, number: int) -> bool:
         if self.round is None or self.round.number != number:
             return False
@@ -238,3 +325,33 @@ class Registry:
 
 def outcome_of(record: WorkerRecord) -> Outcome | None:
     return record.report.outcome if record.report else None
+
+
+def normalize_error(text: str) -> str:
+    """An error message with its numbers masked: ports, addresses and times differ between rounds."""
+    return re.sub(r"0x[0-9a-fA-F]+|[0-9]+", "#", text).strip()
+
+
+def repeated_collective_error(breaks: Sequence[RoundBreak], limit: int) -> str | None:
+    """The job-ending message when the last ``limit`` rounds all ended with the same
+    collective error, among the same members, without a single commit; else None.
+
+    A lost peer ends a round too, but costs a host (it is blacklisted), so it cannot repeat
+    without bound; a collective error without an exit can. ``limit`` 0 turns this off.
+    """
+    if limit <= 0 or len(breaks) < limit:
+        return None
+    last = breaks[-limit:]
+    first = last[0]
+    key = normalize_error(first.error)
+    for previous, current in zip(last, last[1:]):
+        if current.round != previous.round + 1:
+            return None
+    if not first.error or any(
+        not b.error or normalize_error(b.error) != key or b.slots != first.slots or b.commits for b in last
+    ):
+        return None
+    return (
+        f"the same collective error ended {limit} consecutive rounds ({first.round}-{last[-1].round}) "
+        f"with no commit in between: {last[-1].error}"
+    )

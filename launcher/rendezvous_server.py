@@ -79,6 +79,7 @@ class RendezvousServer:
             p.PATH_HEARTBEAT: (p.HeartbeatRequest, self._registry.heartbeat),
             p.PATH_ROUND_LOST: (p.RoundLostRequest, self._registry.round_lost),
             p.PATH_REPORT: (p.Report, self._report),
+            p.PATH_LEAVE: (p.LeaveRequest, self._registry.leave),
             p.PATH_STORE: (p.StoreRequest, self._store.handle),
         }
         server = self

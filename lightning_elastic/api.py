@@ -15,17 +15,20 @@ from lightning_elastic.worker import ElasticWorker, SlotInfo
 _worker: ElasticWorker | None = None
 
 
-def init(use_cuda: bool | None = None) -> ElasticWorker:
+def init(
+    use_cuda: bool | None = None, collective_timeout: float | None = None, backend: str | None = None
+) -> ElasticWorker:
     """Join the job described by the launcher's environment (a world of one without it).
 
     ``use_cuda=False`` keeps a GPU machine's worker on gloo and the CPU; the default uses
-    NCCL and ``cuda:LOCAL_RANK`` whenever CUDA is available. Later calls return the same
-    worker.
+    NCCL and ``cuda:LOCAL_RANK`` whenever CUDA is available. ``collective_timeout``
+    (seconds) overrides the launcher's ``--collective-timeout``; ``backend`` ("gloo" or
+    "nccl") the backend choice. Later calls return the same worker.
     """
     global _worker
     if _worker is None:
         _log_to_stderr()
-        worker = ElasticWorker.from_environment(use_cuda)
+        worker = ElasticWorker.from_environment(use_cuda, collective_timeout, backend)
         worker.start()
         atexit.register(worker.shutdown)
         _worker = worker

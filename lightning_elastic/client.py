@@ -35,10 +35,14 @@ class DriverClient:
         request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait)
         return self._post(p.PATH_HEARTBEAT, request, p.HeartbeatReply, wait=wait, retry_for=0.0)
 
-    def round_lost(self, round_number: int, wait: float) -> bool:
-        reply = self._post(p.PATH_ROUND_LOST, p.RoundLostRequest(self.worker_id, round_number, wait),
-                           p.RoundLostReply, wait=wait)
-        return reply.lost
+    def round_lost(self, round_number: int, wait: float, collective: bool = False, error: str = "",
+                   commits: int = 0) -> p.RoundLostReply:
+        request = p.RoundLostRequest(self.worker_id, round_number, wait, collective, error[:2000], commits)
+        return self._post(p.PATH_ROUND_LOST, request, p.RoundLostReply, wait=wait)
+
+    def leave(self, reason: str) -> bool:
+        """Ask to leave gracefully; False: exit now. A short retry: a preempted worker has little time."""
+        return self._post(p.PATH_LEAVE, p.LeaveRequest(self.worker_id, reason), p.LeaveReply, retry_for=2.0).graceful
 
     def report(self, round_number: int, outcome: p.Outcome, message: str = "") -> None:
         self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, message[:2000]), p.Ack)

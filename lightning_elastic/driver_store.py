@@ -15,12 +15,13 @@ import base64
 import datetime
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
-from lightning_elastic.errors import RendezvousError
+from lightning_elastic.errors import CollectiveError, RendezvousError
 
 POLL = 2.0  # longest the driver holds one GET; the store asks again until its timeout
 
@@ -30,10 +31,16 @@ def _b64(value: bytes | str) -> str:
 
 
 class DriverStore(dist.Store):
-    def __init__(self, client: DriverClient, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self, client: DriverClient, timeout: datetime.timedelta,
+        interrupted: Callable[[], str | None] = lambda: None,
+    ) -> None:
         super().__init__()
         self._client = client
         self._timeout = timeout
+        # Why waiting is pointless now (the round lost a member), or None: a peer that died
+        # during group formation must not keep the others waiting for the store timeout.
+        self._interrupted = interrupted
         self._lock = threading.Lock()  # one request at a time on the client's session
 
     def _call(self, op: p.StoreOp, key: str = "", **fields: object) -> p.StoreReply:
@@ -63,6 +70,9 @@ class DriverStore(dist.Store):
             reply = self._call(p.StoreOp.GET, key, wait_seconds=max(0.0, min(POLL, remaining)))
             if reply.found:
                 return base64.b64decode(reply.value)
+            why = self._interrupted()
+            if why is not None:
+                raise CollectiveError(f"{why} while its process group was forming (store key {key!r})")
             if remaining <= 0:
                 raise RendezvousError(f"store key {key!r} did not appear within {timeout.total_seconds():g} s")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import os
 
 import torch
@@ -24,12 +25,37 @@ class BackendChoice:
     device: torch.device
 
 
-def choose_backend(local_rank: int, cuda_available: bool | None = None) -> BackendChoice:
+BACKENDS = ("gloo", "nccl")
+
+
+def validate_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"process_group_backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    return backend
+
+
+def validate_timeout(seconds: float) -> float:
+    # "not > 0" so NaN fails too.
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"timeout: expected a positive, finite number of seconds, got {seconds!r}")
+    return float(seconds)
+
+
+def choose_backend(local_rank: int, cuda_available: bool | None = None, requested: str | None = None) -> BackendChoice:
+    """NCCL on ``cuda:LOCAL_RANK`` when CUDA is available, else gloo on the CPU.
+
+    ``requested`` (a Lightning strategy's ``process_group_backend``) overrides the backend;
+    the device still follows CUDA's availability (gloo can run DDP on GPUs too).
+    """
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
-    if cuda_available:
-        return BackendChoice("nccl", torch.device("cuda", local_rank))
-    return BackendChoice("gloo", torch.device("cpu"))
+    device = torch.device("cuda", local_rank) if cuda_available else torch.device("cpu")
+    backend = "nccl" if cuda_available else "gloo"
+    if requested is not None:
+        backend = validate_backend(requested)
+        if backend == "nccl" and not cuda_available:
+            raise ValueError("process_group_backend: 'nccl' needs CUDA devices, and this worker has none")
+    return BackendChoice(backend, device)
 
 
 def nccl_environment(environ: dict[str, str] | os._Environ) -> dict[str, str]:

@@ -42,6 +42,7 @@ ENV_HEARTBEAT_TIMEOUT = "LIGHTNING_ELASTIC_HEARTBEAT_TIMEOUT"
 ENV_ELASTIC_TIMEOUT = "LIGHTNING_ELASTIC_TIMEOUT"
 ENV_LOST_MEMBER_WAIT = "LIGHTNING_ELASTIC_LOST_MEMBER_WAIT"
 ENV_PROCESS_GROUP_TIMEOUT = "LIGHTNING_ELASTIC_PROCESS_GROUP_TIMEOUT"
+ENV_PREEMPTION_GRACE = "LIGHTNING_ELASTIC_PREEMPTION_GRACE"
 
 HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
 HEADER_NONCE = "X-Elastic-Nonce"  # secrets.token_hex(16), fresh for every request sent
@@ -51,6 +52,7 @@ PATH_RENDEZVOUS = "/v1/rendezvous"
 PATH_HEARTBEAT = "/v1/heartbeat"
 PATH_ROUND_LOST = "/v1/round-lost"
 PATH_REPORT = "/v1/report"
+PATH_LEAVE = "/v1/leave"
 PATH_STORE = "/v1/store"
 
 RENDEZVOUS_POLL = 5.0  # longest the service holds a rendezvous request before "wait"
@@ -117,14 +119,41 @@ class HeartbeatReply:
 
 @dataclasses.dataclass(frozen=True)
 class RoundLostRequest:
+    """A member caught an error in ``round``: was it a lost peer or its own?
+
+    ``collective`` says the error is a collective failure by its type (torch's DistError,
+    a timeout): the member leaves its round whatever the answer, so the driver counts the
+    round as broken by it. ``error`` (its last traceback line) and ``commits`` (commits
+    made in this round) let the driver see the same error repeating with no progress.
+    """
+
     worker_id: str
     round: int
     wait_seconds: float
+    collective: bool = False
+    error: str = ""
+    commits: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class RoundLostReply:
-    lost: bool  # True: a member of the round is gone, the error was a collective failure
+    lost: bool  # True: recover (restore the last commit, re-form); False: the error is the worker's own
+    reason: str = ""  # why a collective error is not recovered from (e.g. it repeats)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaveRequest:
+    """The worker received a preemption notice (SIGTERM) and asks to leave gracefully."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaveReply:
+    # True: the driver announces the departure; the worker leaves at its next check.
+    # False: exit now (the driver is stopping this worker itself, or training is over).
+    graceful: bool
 
 
 @dataclasses.dataclass(frozen=True)

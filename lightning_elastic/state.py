@@ -28,7 +28,11 @@ def to_host(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return type(value)((k, to_host(v)) for k, v in value.items())
+        # A shallow copy keeps what the constructor would need (a defaultdict's factory).
+        result = copy.copy(value)
+        result.clear()
+        result.update((k, to_host(v)) for k, v in value.items())
+        return result
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(to_host(v) for v in value)
     return copy.deepcopy(value)
@@ -66,6 +70,7 @@ class State:
     def commit(self) -> None:
         """Save a copy in host memory, then check for host changes (may raise the interrupt)."""
         self.save()
+        self.worker.note_commit()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -142,7 +147,10 @@ class TorchState(ObjectState):
         super().restore()
         for name, obj in self._stateful().items():
             if name in self._saved_stateful:
-                obj.load_state_dict(self._saved_stateful[name])
+                saved = self._saved_stateful[name]
+                # An optimizer adopts the tensors it is given: its next step would overwrite
+                # the commit in place. A module copies into its own parameters.
+                obj.load_state_dict(saved if isinstance(obj, torch.nn.Module) else copy.deepcopy(saved))
 
     def sync(self) -> None:
         worker = self.worker

@@ -24,11 +24,14 @@ from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import HostsUpdatedInterrupt, RendezvousError
+from lightning_elastic.preemption import PreemptionHandler
 from lightning_elastic.process_group import (
     BackendChoice,
     choose_backend,
     destroy_round_group,
     init_round_group,
+    validate_backend,
+    validate_timeout,
 )
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class WorkerSettings:
     elastic_timeout: float
     lost_member_wait: float
     process_group_timeout: float
+    preemption_grace: float
 
     @classmethod
     def from_environment(cls, environ: os._Environ | dict[str, str]) -> WorkerSettings | None:
@@ -76,7 +80,8 @@ class WorkerSettings:
                 heartbeat_timeout=float(environ.get(p.ENV_HEARTBEAT_TIMEOUT, "10")),
                 elastic_timeout=float(environ.get(p.ENV_ELASTIC_TIMEOUT, "600")),
                 lost_member_wait=float(environ.get(p.ENV_LOST_MEMBER_WAIT, "5")),
-                process_group_timeout=float(environ.get(p.ENV_PROCESS_GROUP_TIMEOUT, "60")),
+                process_group_timeout=float(environ.get(p.ENV_PROCESS_GROUP_TIMEOUT, "1800")),
+                preemption_grace=float(environ.get(p.ENV_PREEMPTION_GRACE, "30")),
             )
         except KeyError as err:
             raise RendezvousError(
@@ -113,11 +118,20 @@ def _read_secret(environ: os._Environ | dict[str, str]) -> str:
 
 
 class ElasticWorker:
-    def __init__(self, settings: WorkerSettings | None, use_cuda: bool | None = None) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings | None,
+        use_cuda: bool | None = None,
+        collective_timeout: float | None = None,
+        backend: str | None = None,
+    ) -> None:
         self.settings = settings
         # None: NCCL on cuda:LOCAL_RANK when CUDA is available. False: gloo on the CPU even
         # on a GPU machine (a Lightning Trainer with accelerator="cpu").
         self.use_cuda = use_cuda
+        self._collective_timeout = collective_timeout  # None: the launcher's --collective-timeout
+        self._requested_backend = backend  # None: NCCL with CUDA, else gloo
+        self._commits_in_round = 0
         self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
         self._store: DriverStore | None = None
         self._assignment: p.Assignment | None = None
@@ -130,8 +144,25 @@ class ElasticWorker:
         self._group_connections: frozenset[group_sockets.Connection] = frozenset()
 
     @classmethod
-    def from_environment(cls, use_cuda: bool | None = None) -> ElasticWorker:
-        return cls(WorkerSettings.from_environment(os.environ), use_cuda)
+    def from_environment(
+        cls, use_cuda: bool | None = None, collective_timeout: float | None = None, backend: str | None = None
+    ) -> ElasticWorker:
+        return cls(WorkerSettings.from_environment(os.environ), use_cuda, collective_timeout, backend)
+
+    def configure_collectives(self, timeout: float | None = None, backend: str | None = None) -> None:
+        """Set the collective timeout or backend (a Lightning strategy's ``timeout=`` and
+        ``process_group_backend=``); a group already formed keeps its own until the next round."""
+        if timeout is not None:
+            self._collective_timeout = validate_timeout(timeout)
+        if backend is not None:
+            validate_backend(backend)
+            self._requested_backend = backend
+
+    @property
+    def collective_timeout(self) -> float:
+        if self._collective_timeout is not None:
+            return self._collective_timeout
+        return self.settings.process_group_timeout if self.settings else 1800.0
 
     @property
     def elastic(self) -> bool:
@@ -147,6 +178,8 @@ class ElasticWorker:
             return
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="elastic-heartbeat", daemon=True)
         self._heartbeat.start()
+        if threading.current_thread() is threading.main_thread():
+            PreemptionHandler(self.request_leave, self.settings.preemption_grace).install()
         self._join_next_round()
 
     def reset(self) -> None:
@@ -182,21 +215,23 @@ class ElasticWorker:
             if time.monotonic() > deadline:
                 raise RendezvousError(f"no round was formed within {self.settings.elastic_timeout:g} s")
         self._assignment = reply.assignment
+        self._commits_in_round = 0
         self._publish_environment(reply.assignment)
         self._form_group()
 
     def _form_group(self) -> None:
         a = self._assignment
         assert a is not None
-        self._backend = choose_backend(a.local_rank, self.use_cuda)
+        self._backend = choose_backend(a.local_rank, self.use_cuda, self._requested_backend)
+        timeout = datetime.timedelta(seconds=self.collective_timeout)
         if self.settings is None:
             store: dist.Store = dist.HashStore()
-            timeout = datetime.timedelta(seconds=60)
         else:
-            timeout = datetime.timedelta(seconds=self.settings.process_group_timeout)
             if self._store is None:
                 s = self.settings
-                self._store = DriverStore(DriverClient(s.driver_url, s.secret, s.worker_id), timeout)
+                client = DriverClient(s.driver_url, s.secret, s.worker_id)
+                self._store = DriverStore(client, timeout, interrupted=self._round_broken_reason)
+            self._store.set_timeout(timeout)
             store = self._store
         if self._backend.backend != "gloo" or self.settings is None:
             init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
@@ -266,14 +301,57 @@ class ElasticWorker:
                 f"{self.assignment.generation})"
             )
 
-    def round_lost_member(self) -> bool:
-        """Ask the driver (bounded wait) whether the current round lost a member."""
+    def note_commit(self) -> None:
+        """Count a commit: the driver tells a repeating error from one that makes progress."""
+        self._commits_in_round += 1
+
+    def classify_error(self, error: str, collective: bool) -> p.RoundLostReply:
+        """The driver's decision on an error this worker caught: recover (a lost peer), or not.
+
+        ``collective`` errors (by their type) leave the round whatever the answer: the
+        driver then counts the round as broken by this member, so its peers recover too,
+        unless the same error keeps ending rounds with no commit in between.
+        """
         if self._client is None or self.settings is None:
-            return False
+            return p.RoundLostReply(False)  # a world of one has no peer to lose
         with self._lock:
             if self._last_broken_round >= self.assignment.round:
-                return True
-        return self._client.round_lost(self.assignment.round, self.settings.lost_member_wait)
+                return p.RoundLostReply(True)
+        return self._client.round_lost(
+            self.assignment.round, self.settings.lost_member_wait, collective, error, self._commits_in_round
+        )
+
+    def _round_broken_reason(self) -> str | None:
+        """Why the current round cannot complete, once the driver says a member is lost."""
+        with self._lock:
+            broken = self._last_broken_round
+        a = self._assignment
+        if a is not None and broken >= a.round:
+            return f"round {a.round} lost a member"
+        return None
+
+    def request_leave(self, reason: str) -> bool:
+        """Ask the driver to let this worker leave at the next check (a preemption notice).
+
+        False when it should exit at once: the driver is stopping it anyway, training is
+        over, or the driver cannot be reached.
+        """
+        if self.settings is None:
+            return False
+        s = self.settings
+        client = DriverClient(s.driver_url, s.secret, s.worker_id)  # the main thread's may be mid-request
+        try:
+            return client.leave(reason)
+        except RendezvousError as err:
+            log.warning("Could not tell the driver this worker is leaving: %s", err)
+            return False
+        finally:
+            client.close()
+
+    @property
+    def handles_sigterm(self) -> bool:
+        """Is a SIGTERM a graceful leave here (``lightning_elastic.preemption``)?"""
+        return self.settings is not None and PreemptionHandler.is_installed()
 
     def report(self, outcome: p.Outcome, message: str = "") -> None:
         if self._client is not None and self._assignment is not None:

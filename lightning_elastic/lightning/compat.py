@@ -18,6 +18,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 __all__ = [
     "Launcher",
@@ -31,7 +32,7 @@ __all__ = [
     "replace_sampler",
     "set_logger_version",
     "set_rng_states",
-    "silence_sigterm_broadcast",
+    "route_sigterm",
 ]
 
 # Lightning's abstract launcher: ``launch(function, *args, trainer=..., **kwargs)`` and ``kill``.
@@ -74,14 +75,27 @@ def forget_dataloaders(trainer: pl.Trainer) -> None:
     trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
 
-def silence_sigterm_broadcast(trainer: pl.Trainer, local_check: Callable[[], None]) -> None:
-    """Replace the per-step SIGTERM broadcast (Lightning >= 2.6) with a local check.
+def route_sigterm(trainer: pl.Trainer, elastic: bool) -> None:
+    """Take SIGTERM handling away from Lightning's collectives.
 
-    The broadcast is a collective on every step: it costs a round trip and, on a preempted
-    or dead peer, hangs or fails. Here a SIGTERM ends only the worker that received it; the
-    driver sees it leave and the others re-form.
+    Lightning (>= 2.6) broadcasts a SIGTERM flag from rank 0 at every step, and its SIGTERM
+    handler itself calls ``dist.broadcast``: a SIGTERM to any rank but 0 makes that rank
+    enter a collective nobody else is in, and the whole group fails. In an elastic job the
+    worker's own handler (``lightning_elastic.preemption``, chained by Lightning's) turns a
+    SIGTERM into a graceful leave, so both are replaced by no-ops. Outside a launch (a world
+    of one) a SIGTERM ends the fit as Lightning would end it, checked locally.
     """
-    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = local_check
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if elastic:
+        epoch_loop._broadcast_sigterm_tensor = lambda: None
+        trainer._signal_connector._sigterm_notifier_fn = lambda signum, frame: None
+        return
+
+    def local_check() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    epoch_loop._broadcast_sigterm_tensor = local_check
 
 
 def ignore_mid_epoch_resume_warning() -> None:

@@ -1,34 +1,24 @@
 """``ElasticFitLauncher``: ``trainer.fit`` that survives resets in the same process.
 
 Lightning hands its launcher the stage function. Only ``fit`` is retried; validate, test
-and predict run once, as with DDP. A fit attempt ends in one of four ways:
-
-* it returns: the worker reports success to the driver;
-* ``HostsUpdatedInterrupt`` (hosts were added or removed; raised on every rank at the same
-  batch, right after a commit of the live state): re-form and resume, nothing lost;
-* a lost peer (the collective failed, or the driver says a member of the round died):
-  re-form and resume from the last commit;
-* anything else is the user's error: reported to the driver and re-raised with its
-  traceback, so Lightning's own error handling runs and the worker ends.
+and predict run once, as with DDP. The retry cycle is the one of ``@run``
+(``lightning_elastic.recovery``); what differs is how a new world is prepared: every fit
+attempt first agrees on the newest in-memory commit and resumes from it, so a host change
+(whose interrupt is raised right after a commit of the live state) loses nothing and a lost
+peer goes back to the last commit.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_elastic import protocol as p
-from lightning_elastic.errors import HostsUpdatedInterrupt, RendezvousError
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.callbacks import ensure_elastic_callback
 from lightning_elastic.lightning.commit import COMMIT_MARKER
-from lightning_elastic.run import describe_error, is_collective_failure
-
-log = logging.getLogger(__name__)
+from lightning_elastic.recovery import RetryEngine
 
 _FIT_ARGUMENTS = ("model", "train_dataloaders", "val_dataloaders", "datamodule", "ckpt_path", "weights_only")
 
@@ -48,40 +38,35 @@ class ElasticFitLauncher(compat.Launcher):
         if not compat.is_fit_function(function, trainer):
             return function(*args, **kwargs)
         assert trainer is not None
-        return self._fit(function, trainer, dict(zip(_FIT_ARGUMENTS, args), **kwargs))
-
-    def _fit(self, fit_impl: Callable[..., Any], trainer: pl.Trainer, arguments: dict[str, Any]) -> None:
+        arguments = dict(zip(_FIT_ARGUMENTS, args), **kwargs)
         strategy = self._strategy
-        worker = strategy.worker
         ensure_elastic_callback(trainer)
-        compat.silence_sigterm_broadcast(trainer, lambda: _exit_if_sigterm(trainer))
-        user_ckpt_path = arguments.get("ckpt_path")
-        while True:
-            resume = strategy.agree_on_restore(trainer)
-            arguments["ckpt_path"] = COMMIT_MARKER if resume else user_ckpt_path
-            try:
-                fit_impl(**arguments)
-            except HostsUpdatedInterrupt as err:
-                log.info("Rank %d: %s; re-forming with the live state.", worker.assignment.rank, err)
-            except RendezvousError:
-                raise  # the driver is gone or gave up on this worker
-            except Exception as err:
-                if not is_collective_failure(err, worker):
-                    worker.report(p.Outcome.FAILED, describe_error(err))
-                    raise
-                log.warning(
-                    "Rank %d: round %d lost a member (%s); resuming from the last commit.",
-                    worker.assignment.rank, worker.assignment.round, str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
-                )
-            else:
-                worker.report(p.Outcome.DONE)
-                strategy.commit = None  # a later fit of this trainer starts from its own state
-                return
-            compat.prepare_to_fit_again(trainer)
-            worker.reset()
+        compat.route_sigterm(trainer, elastic=strategy.worker.handles_sigterm)
+        RetryEngine(strategy.worker, _FitRecovery(strategy, trainer, function, arguments)).run()
+        strategy.commit = None  # a later fit of this trainer starts from its own state
+        return None
 
 
-def _exit_if_sigterm(trainer: pl.Trainer) -> None:
-    # A SIGTERM ends this worker only; the driver sees it leave and the others re-form.
-    if getattr(trainer, "received_sigterm", False):
-        raise SIGTERMException()
+class _FitRecovery:
+    def __init__(self, strategy: Any, trainer: pl.Trainer, fit_impl: Callable[..., Any], arguments: dict[str, Any]) -> None:
+        self._strategy = strategy
+        self._trainer = trainer
+        self._fit_impl = fit_impl
+        self._arguments = arguments
+        self._user_ckpt_path = arguments.get("ckpt_path")
+
+    def before_rejoin(self) -> None:
+        compat.prepare_to_fit_again(self._trainer)
+
+    def prepare(self, resumed: bool) -> None:
+        resume = self._strategy.agree_on_restore(self._trainer)
+        self._arguments["ckpt_path"] = COMMIT_MARKER if resume else self._user_ckpt_path
+
+    def attempt(self) -> None:
+        self._fit_impl(**self._arguments)
+
+    def keep_live_state(self) -> None:
+        pass  # ElasticCallback committed the live state before raising the interrupt
+
+    def restore_commit(self) -> None:
+        pass  # every attempt resumes from the agreed commit

@@ -34,6 +34,7 @@ from lightning_elastic.lightning.commit import (
     receive_commit,
     take_commit,
 )
+from lightning_elastic.process_group import validate_backend, validate_timeout
 from lightning_elastic.sampler import ElasticSampler
 from lightning_elastic.worker import ElasticWorker
 
@@ -96,8 +97,12 @@ class ElasticStrategy(DDPStrategy):
         precision_plugin: Any = None,
         worker: ElasticWorker | None = None,
         timeout: timedelta | None = None,
+        process_group_backend: str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
+        # Checked here, so a bad value fails when the Trainer is built, not at the first round.
+        self._collective_timeout = None if timeout is None else validate_timeout(_seconds(timeout))
+        self._requested_backend = None if process_group_backend is None else validate_backend(process_group_backend)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -106,6 +111,7 @@ class ElasticStrategy(DDPStrategy):
             precision_plugin=precision_plugin,
             start_method="popen",
             **({"timeout": timeout} if timeout is not None else {}),
+            process_group_backend=process_group_backend,
             **ddp_kwargs,
         )
         self._worker = worker
@@ -122,7 +128,12 @@ class ElasticStrategy(DDPStrategy):
     def worker(self) -> ElasticWorker:
         """The process's elastic worker; the first use joins the job (rendezvous)."""
         if self._worker is None:
-            self._worker = api.init(use_cuda=self._wants_cuda())
+            # timeout= and process_group_backend= apply to the worker's process group, which
+            # the worker (not Lightning) forms at every round.
+            self._worker = api.init(
+                use_cuda=self._wants_cuda(), collective_timeout=self._collective_timeout, backend=self._requested_backend
+            )
+            self._worker.configure_collectives(self._collective_timeout, self._requested_backend)
         return self._worker
 
     def _wants_cuda(self) -> bool:
@@ -168,6 +179,7 @@ class ElasticStrategy(DDPStrategy):
         self.commit = take_commit(
             compat.dump_checkpoint(trainer), self.worker.assignment.size, trainer.global_step, position
         )
+        self.worker.note_commit()
 
     def agree_on_restore(self, trainer: pl.Trainer) -> bool:
         """Collective, before every fit attempt: is there a commit to resume from?"""
@@ -246,6 +258,14 @@ class ElasticStrategy(DDPStrategy):
         if self.commit is None:
             # A failure before the first regular commit must have something to go back to.
             self.take_commit(trainer)
+
+
+def _seconds(timeout: Any) -> float:
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        return float(timeout)
+    raise ValueError(f"ElasticStrategy: timeout must be a datetime.timedelta, got {timeout!r}")
 
 
 def _sampling_order(dataloader: DataLoader) -> tuple[bool, int] | None:

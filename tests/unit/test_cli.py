@@ -95,6 +95,22 @@ def test_every_option_reaches_the_config(tmp_path, script):
     assert c.log_dir == tmp_path / "logs" and c.verbose is True
 
 
+def test_every_bound_reaches_the_config():
+    c = parse("-np", "1", "--heartbeat-timeout", "7", "--start-timeout", "900", "--collective-timeout", "45",
+              "--exit-timeout", "12", "--preemption-grace", "20", "--repeated-error-limit", "5", "python")
+    t = c.timeouts
+    assert (t.heartbeat_timeout, t.worker_arrival, t.process_group, t.exit, t.preemption_grace) == (7, 900, 45, 12, 20)
+    assert c.repeated_error_limit == 5
+
+
+def test_bounds_default_to_values_that_suit_lightning():
+    c = parse("-np", "1", "python")
+    t = c.timeouts
+    # Data preparation and a first compile before the Trainer joins; long collectives.
+    assert (t.worker_arrival, t.process_group, t.exit, t.preemption_grace) == (600, 1800, 60, 30)
+    assert c.repeated_error_limit == 3
+
+
 def test_double_dash_before_the_command_is_dropped():
     assert parse("-np", "1", "--", "python", "-u", "t.py").command == ("python", "-u", "t.py")
 
@@ -134,6 +150,16 @@ def test_relative_discovery_script_is_made_absolute(script, monkeypatch):
          "-H/--hosts: host entry 'a' has no slot count; write HOST:SLOTS or pass --slots-per-host"),
         (["-H", ",", "python"], "-H/--hosts: empty host list ',', expected HOST:SLOTS[,HOST:SLOTS...]"),
         (["-H", "a:1", "--slots-per-host", "0", "python"], "--slots-per-host: must be at least 1, got 0"),
+        (["-np", "1", "--start-timeout", "0", "python"],
+         "--start-timeout: expected a positive, finite number of seconds, got 0.0"),
+        (["-np", "1", "--collective-timeout", "nan", "python"],
+         "--collective-timeout: expected a positive, finite number of seconds, got nan"),
+        (["-np", "1", "--exit-timeout", "inf", "python"],
+         "--exit-timeout: expected a positive, finite number of seconds, got inf"),
+        (["-np", "1", "--preemption-grace", "-5", "python"],
+         "--preemption-grace: expected a positive, finite number of seconds, got -5.0"),
+        (["-np", "1", "--repeated-error-limit", "-1", "python"],
+         "--repeated-error-limit: must be 0 (off) or more, got -1"),
     ],
 )
 def test_invalid_values_exit_2_with_one_line(capsys, no_launch, argv, message):

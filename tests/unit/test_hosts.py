@@ -231,3 +231,17 @@ def test_this_machines_fqdn_is_local():
 @pytest.mark.parametrize("host", ["8.8.8.8", "10.0.0.1", "some-other-machine.invalid", "localhost.invalid", ""])
 def test_foreign_names_are_not_local(host):
     assert not HostClassifier().is_local(host)
+
+
+def test_vacant_slots_are_skipped_and_the_others_keep_their_local_rank():
+    result = assign_slots([HostSlots("a", 2), HostSlots("b", 2)], max_np=8, vacant={SlotKey("a", 0)})
+    assert [(str(r.slot), r.rank, r.size, r.local_size, r.cross_rank, r.cross_size) for r in result] == [
+        ("a[1]", 0, 3, 1, 0, 2),
+        ("b[0]", 1, 3, 2, 0, 1),
+        ("b[1]", 2, 3, 2, 1, 2),
+    ]
+
+
+def test_a_host_whose_slots_are_all_vacant_is_left_out():
+    result = assign_slots([HostSlots("a", 1), HostSlots("b", 1)], max_np=1, vacant={SlotKey("a", 0)})
+    assert [(str(r.slot), r.rank, r.size) for r in result] == [("b[0]", 0, 1)]

@@ -19,8 +19,8 @@ from launcher.registry import WorkerState as S
 TIMEOUT = 30.0
 
 
-def member(i: int, state: S, failure: str = "") -> MemberView:
-    return MemberView(f"w{i}", state, failure)
+def member(i: int, state: S, failure: str = "", reported_done: bool | None = None) -> MemberView:
+    return MemberView(f"w{i}", state, failure, state == S.DONE if reported_done is None else reported_done)
 
 
 def view(*states: S, **overrides) -> JobView:
@@ -47,9 +47,35 @@ def test_success_when_every_member_of_the_round_is_done():
     )
 
 
-@pytest.mark.parametrize("other", [S.MEMBER, S.WAITING, S.STARTING, S.REMOVED])
-def test_no_success_while_a_member_has_not_reported_done(other):
+@pytest.mark.parametrize("other", [S.MEMBER, S.WAITING, S.STARTING])
+def test_no_verdict_while_a_member_of_a_finishing_round_has_not_exited(other):
+    # Training returned on w0: the others are awaited (--exit-timeout bounds it).
     assert decide_verdict(view(S.DONE, other), TIMEOUT) is None
+
+
+def test_no_success_while_done_members_have_not_exited():
+    members = (member(0, S.MEMBER, reported_done=True), member(1, S.DONE))
+    assert decide_verdict(view(members=members, round_number=2), TIMEOUT) is None
+
+
+def test_a_member_that_reported_done_then_exited_non_zero_fails_the_job():
+    members = (member(0, S.DONE), member(1, S.FAILED, "exited with status 3 after training returned", True))
+    assert decide_verdict(view(members=members, round_number=2), TIMEOUT) == Verdict(
+        False, "training returned in round 2 but not every worker finished cleanly: "
+        "exited with status 3 after training returned"
+    )
+
+
+def test_a_removed_member_of_a_finishing_round_is_not_a_success():
+    verdict = decide_verdict(view(S.DONE, S.REMOVED), TIMEOUT)
+    assert verdict == Verdict(
+        False, "training returned in round 2 but not every worker finished cleanly: worker w1 was removed"
+    )
+
+
+def test_a_repeated_collective_error_ends_the_job_before_anything_else():
+    v = view(S.MEMBER, S.MEMBER, repeated_error="the same collective error ended 3 consecutive rounds")
+    assert decide_verdict(v, TIMEOUT) == Verdict(False, "the same collective error ended 3 consecutive rounds")
 
 
 def test_no_verdict_before_any_round():
@@ -71,7 +97,7 @@ def test_one_failed_member_with_survivors_training_is_not_the_end():
 def test_failure_after_other_members_finished_fails_the_job():
     verdict = decide_verdict(view(S.DONE, S.FAILED), TIMEOUT)
     assert verdict == Verdict(
-        False, "worker w1 failed after other workers of round 2 had finished: boom 1"
+        False, "training returned in round 2 but not every worker finished cleanly: boom 1"
     )
 
 

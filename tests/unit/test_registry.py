@@ -15,6 +15,9 @@ from launcher.hosts import SlotAssignment, SlotKey
 from launcher.registry import Registry, UnknownWorker, WorkerRecord, WorkerState, outcome_of
 from lightning_elastic.protocol import (
     HeartbeatRequest,
+    LeaveReply,
+    LeaveRequest,
+    RoundLostReply,
     Outcome,
     RendezvousRequest,
     RendezvousStatus,
@@ -396,3 +399,132 @@ def test_report_of_finished_worker_is_refused(reg):
 
 def test_worker_state_finished_flags():
     assert {s for s in WorkerState if s.finished} == {WorkerState.DONE, WorkerState.REMOVED, WorkerState.FAILED}
+
+
+# ----- faults the driver learns from its workers ----------------------------------------
+
+
+def test_a_collective_error_breaks_the_round_at_once_with_its_cause(reg):
+    w0, w1 = add(reg, "w0", "a"), add(reg, "w1", "b")
+    form(reg, w0, w1)
+    reply = reg.round_lost(RoundLostRequest("w1", 1, 30.0, collective=True, error="DistError: timed out"))
+    assert reply == RoundLostReply(True)
+    assert reg.broken_rounds == {1}
+    (only,) = reg.breaks
+    assert only.error == "DistError: timed out" and "worker w1 left round 1" in only.cause
+    assert only.slots == (SlotKey("a", 0), SlotKey("b", 0))
+    # Its peer, whose collective failed because w1 left, hears "lost" at once.
+    assert reg.round_lost(RoundLostRequest("w0", 1, 30.0)).lost is True
+
+
+def test_a_member_back_at_the_rendezvous_unannounced_breaks_its_round(reg):
+    w0, w1 = add(reg, "w0", "a"), add(reg, "w1", "b")
+    form(reg, w0, w1)
+    assert reg.rendezvous(RendezvousRequest("w1", 1), timeout=0.0).status == RendezvousStatus.WAIT
+    assert reg.broken_rounds == {1}
+    assert reg.breaks[0].cause == "worker w1 left round 1" and reg.breaks[0].error == ""
+
+
+def test_members_back_after_an_announced_change_do_not_break_the_round(reg):
+    w0, w1 = add(reg, "w0", "a"), add(reg, "w1", "b")
+    form(reg, w0, w1)
+    with reg.cond:
+        reg.bump_generation()
+    reg.rendezvous(RendezvousRequest("w1", 1), timeout=0.0)
+    assert reg.broken_rounds == set()
+
+
+def test_a_break_is_recorded_once_with_its_first_cause(reg):
+    w0 = add(reg, "w0")
+    form(reg, w0)
+    with reg.cond:
+        assert reg.mark_round_broken(1, "first") is True
+        assert reg.mark_round_broken(1, "second") is False
+    assert [b.cause for b in reg.breaks] == ["first"]
+
+
+def break_with(reg: Registry, records: tuple[WorkerRecord, ...], error: str, commits: int = 0) -> RoundLostReply:
+    number = form(reg, *records).number
+    return reg.round_lost(RoundLostRequest(records[0].worker_id, number, 30.0, True, error, commits))
+
+
+def test_the_same_collective_error_in_consecutive_rounds_ends_the_job_at_the_limit():
+    reg = Registry(repeated_error_limit=3)
+    members = (add(reg, "w0", "a"), add(reg, "w1", "b"))
+    # Ports and times differ between rounds: numbers are masked before comparing.
+    assert break_with(reg, members, "DistError: timed out after 60000 ms on port 41001").lost is True
+    assert break_with(reg, members, "DistError: timed out after 60001 ms on port 41877").lost is True
+    reply = break_with(reg, members, "DistError: timed out after 60000 ms on port 39999")
+    assert reply.lost is False
+    assert reply.reason == reg.repeated_error
+    assert reg.repeated_error == (
+        "the same collective error ended 3 consecutive rounds (1-3) with no commit in between: "
+        "DistError: timed out after 60000 ms on port 39999"
+    )
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        dict(error="DistError: a different error"),
+        dict(error="DistError: timed out", commits=1),  # progress was made
+    ],
+)
+def test_a_changed_error_or_progress_starts_the_count_again(second):
+    reg = Registry(repeated_error_limit=2)
+    members = (add(reg, "w0", "a"), add(reg, "w1", "b"))
+    break_with(reg, members, "DistError: timed out")
+    assert break_with(reg, members, second.get("error", ""), second.get("commits", 0)).lost is True
+    assert reg.repeated_error is None
+
+
+def test_a_changed_membership_starts_the_count_again():
+    reg = Registry(repeated_error_limit=2)
+    a, b, c = add(reg, "w0", "a"), add(reg, "w1", "b"), add(reg, "w2", "c")
+    break_with(reg, (a, b), "DistError: timed out")
+    assert break_with(reg, (a, b, c), "DistError: timed out").lost is True
+
+
+def test_a_limit_of_zero_never_ends_the_job():
+    reg = Registry(repeated_error_limit=0)
+    members = (add(reg, "w0", "a"),)
+    for _ in range(5):
+        assert break_with(reg, members, "DistError: timed out").lost is True
+
+
+def test_a_lost_member_between_two_errors_is_not_a_repetition():
+    reg = Registry(repeated_error_limit=2)
+    members = (add(reg, "w0", "a"),)
+    break_with(reg, members, "DistError: timed out")
+    number = form(reg, *members).number
+    with reg.cond:
+        reg.mark_round_broken(number, "worker w9 was killed")
+    assert break_with(reg, members, "DistError: timed out").lost is True
+
+
+def test_a_preempted_worker_may_leave_and_is_told_to_exit_at_the_rendezvous(reg):
+    w0 = add(reg, "w0")
+    form(reg, w0)
+    assert reg.leave(LeaveRequest("w0", "SIGTERM")) == LeaveReply(True)
+    assert w0.departing == "SIGTERM" and w0.leave
+    assert reg.rendezvous(RendezvousRequest("w0", 1), timeout=0.0).status == RendezvousStatus.EXIT
+    assert reg.broken_rounds == set()  # leaving through the rendezvous loses nothing
+
+
+@pytest.mark.parametrize("why", ["closing", "stopping", "done"])
+def test_leave_is_refused_when_the_driver_stops_the_worker_or_training_is_over(reg, why):
+    w0 = add(reg, "w0")
+    form(reg, w0)
+    if why == "closing":
+        reg.closing = True
+    elif why == "stopping":
+        w0.stopping = True
+    else:
+        reg.report(Report("w0", 1, Outcome.DONE))
+    assert reg.leave(LeaveRequest("w0", "SIGTERM")) == LeaveReply(False)
+    assert w0.departing == ""
+
+
+def test_leave_of_unknown_worker_is_refused(reg):
+    with pytest.raises(UnknownWorker):
+        reg.leave(LeaveRequest("ghost", "SIGTERM"))

@@ -1,0 +1,275 @@
+"""lightning_elastic/lightning/commit.py: taking a commit, agreeing on one, rescaling its progress.
+
+Checkpoints here are dicts shaped like Lightning's (``loops.fit_loop`` holding the epoch
+loop's ``batch_progress``); one test checks that shape against a real Trainer's fit loop.
+``agree_on_restore`` and ``receive_commit`` run once on real gloo ranks (a module fixture:
+every spawned rank imports Lightning, which is the bulk of the cost) and each scenario's
+test reads its part of the result.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_elastic.lightning import compat
+from lightning_elastic.lightning.commit import (
+    EXTRA_KEY,
+    Commit,
+    RestorePlan,
+    SamplerPosition,
+    agree_on_restore,
+    checkpoint_for_lightning,
+    receive_commit,
+    take_commit,
+)
+from lightning_elastic.sampler import epoch_batches_done
+from tests.unit.fakes import FakeWorker, run_ranks
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(autouse=True)
+def keep_global_rng() -> Iterator[None]:
+    """checkpoint_for_lightning sets the process's RNG states: put them back after each test."""
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+def counters(ready: int, completed: int | None = None) -> dict[str, int]:
+    done = ready if completed is None else completed
+    return {"ready": ready, "started": ready, "processed": ready, "completed": done}
+
+
+def lightning_checkpoint(current: dict[str, int], total: dict[str, int], global_step: int = 0) -> dict[str, Any]:
+    """The parts of Lightning's checkpoint dict that the commit code reads, and a tensor."""
+    progress = {"current": current, "total": total, "is_last_batch": False}
+    return {
+        "state_dict": {"weight": torch.arange(4.0)},
+        "loops": {"fit_loop": {"epoch_loop.batch_progress": progress, "epoch_progress": {"epoch": 1}}},
+        "global_step": global_step,
+    }
+
+
+def position(consumed: int, dataset_size: int = 100, batch_size: int = 5, epoch: int = 1) -> SamplerPosition:
+    return SamplerPosition(epoch=epoch, consumed=consumed, dataset_size=dataset_size, batch_size=batch_size)
+
+
+def progress_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+
+
+# ----- take_commit ------------------------------------------------------------------------
+
+
+def test_take_commit_records_world_size_step_and_sampler_position():
+    live = lightning_checkpoint(counters(4), counters(24), global_step=24)
+    commit = take_commit(live, world_size=2, global_step=24, sampler=position(consumed=40))
+    assert (commit.world_size, commit.global_step) == (2, 24)
+    assert commit.sampler == position(consumed=40)
+    extra = commit.checkpoint[EXTRA_KEY]
+    assert extra["world_size"] == 2
+    assert extra["sampler"] == {"epoch": 1, "consumed": 40, "dataset_size": 100, "batch_size": 5}
+    assert set(extra["rng"]) >= {"torch", "python", "numpy"}
+
+
+def test_take_commit_without_a_sampler_records_none():
+    commit = take_commit(lightning_checkpoint(counters(1), counters(1)), world_size=1, global_step=1, sampler=None)
+    assert commit.checkpoint[EXTRA_KEY]["sampler"] is None
+    assert commit.sampler is None
+
+
+def test_take_commit_copies_the_live_checkpoint_and_leaves_it_alone():
+    live = lightning_checkpoint(counters(4), counters(24))
+    commit = take_commit(live, world_size=2, global_step=24, sampler=None)
+    assert EXTRA_KEY not in live
+    live["state_dict"]["weight"].add_(10.0)
+    progress_of(live)["current"]["ready"] = 99
+    assert commit.checkpoint["state_dict"]["weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert progress_of(commit.checkpoint)["current"]["ready"] == 4
+
+
+def test_the_commit_restores_the_rng_states_it_was_taken_with():
+    commit = take_commit(lightning_checkpoint(counters(0), counters(0)), world_size=1, global_step=0, sampler=None)
+    expected = (torch.rand(3).tolist(), random.random(), np.random.rand())
+    torch.rand(5), random.random(), np.random.rand(2)  # the run goes on
+    checkpoint_for_lightning(commit, world_size=1)
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == expected
+
+
+# ----- checkpoint_for_lightning -----------------------------------------------------------
+
+
+def test_the_checkpoint_for_lightning_is_a_copy_without_the_elastic_extras():
+    commit = take_commit(lightning_checkpoint(counters(4), counters(24)), 2, 24, position(consumed=40))
+    checkpoint = checkpoint_for_lightning(commit, world_size=4)
+    assert EXTRA_KEY not in checkpoint
+    assert EXTRA_KEY in commit.checkpoint
+    checkpoint["state_dict"]["weight"].add_(1.0)
+    assert commit.checkpoint["state_dict"]["weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert progress_of(commit.checkpoint)["current"] == counters(4)  # the commit is not rescaled
+
+
+def test_the_same_world_size_keeps_the_batch_progress():
+    # 4 batches of 5 at world size 2: 40 of 100 samples consumed.
+    commit = take_commit(lightning_checkpoint(counters(4, 3), counters(24, 23)), 2, 24, position(consumed=40))
+    progress = progress_of(checkpoint_for_lightning(commit, world_size=2))
+    assert progress == {"current": counters(4, 3), "total": counters(24, 23), "is_last_batch": False}
+
+
+@pytest.mark.parametrize(
+    ("old_world", "batches", "new_world", "done_now"),
+    [
+        (2, 4, 4, 2),  # 40 of 100 consumed; at 4 ranks the epoch has 5 batches, 3 left
+        (2, 4, 3, 3),  # 60 left: 20 per rank, 4 batches of 7 (ceil(100/15))
+        (4, 2, 1, 8),  # 40 consumed; alone the epoch has 20 batches, 12 left
+        (2, 10, 4, 5),  # the epoch's samples are used up: done at any world size
+    ],
+)
+def test_a_new_world_size_rescales_current_and_total_batch_progress(old_world, batches, new_world, done_now):
+    consumed = batches * 5 * old_world
+    commit = take_commit(
+        lightning_checkpoint(counters(batches, batches - 1), counters(20 + batches, 19 + batches)),
+        old_world, 20 + batches, position(consumed=consumed),
+    )
+    progress = progress_of(checkpoint_for_lightning(commit, world_size=new_world))
+    delta = done_now - batches
+    assert progress["current"] == counters(batches + delta, batches - 1 + delta)
+    assert progress["total"] == counters(20 + batches + delta, 19 + batches + delta)
+    assert progress["is_last_batch"] is False
+    assert epoch_batches_done(100, consumed, new_world, 5) == done_now  # the expectation's own arithmetic
+
+
+def test_an_uneven_split_rescales_up():
+    # 10 samples, batches of 2 at world size 3: one batch consumed 6 samples; 4 left.
+    commit = take_commit(lightning_checkpoint(counters(1), counters(1)), 3, 1, position(6, dataset_size=10, batch_size=2))
+    progress = progress_of(checkpoint_for_lightning(commit, world_size=2))
+    assert progress["current"] == counters(2)  # at 2 ranks: 3 batches in the epoch, 1 left
+    assert progress["total"] == counters(2)
+
+
+def test_counters_never_go_below_zero():
+    # A total behind current (hand-made): a counter the shift would make negative stops at zero.
+    commit = take_commit(lightning_checkpoint(counters(4), counters(1)), 2, 4, position(consumed=40))
+    progress = progress_of(checkpoint_for_lightning(commit, world_size=4))
+    assert progress["current"] == counters(2)
+    assert progress["total"] == counters(0)
+
+
+def test_without_a_sampler_position_the_progress_is_kept():
+    commit = take_commit(lightning_checkpoint(counters(4), counters(24)), 2, 24, sampler=None)
+    progress = progress_of(checkpoint_for_lightning(commit, world_size=4))
+    assert (progress["current"], progress["total"]) == (counters(4), counters(24))
+
+
+def test_a_checkpoint_without_loops_is_passed_through():
+    commit = take_commit({"state_dict": {}, "global_step": 3}, 2, 3, position(consumed=40))
+    assert checkpoint_for_lightning(commit, world_size=4) == {"state_dict": {}, "global_step": 3}
+
+
+def test_the_progress_of_a_real_fit_loop_is_found_and_rescaled():
+    import lightning.pytorch as pl  # noqa: PLC0415
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    loops = trainer.fit_loop.state_dict()
+    progress = loops["epoch_loop.batch_progress"]
+    assert set(progress) == {"current", "total", "is_last_batch"}
+    assert set(progress["current"]) == set(progress["total"]) == set(counters(0))
+    progress["current"].update(counters(4))
+    progress["total"].update(counters(4))
+    commit = take_commit({"loops": {"fit_loop": loops}, "global_step": 4}, 2, 4, position(consumed=40))
+    rescaled = compat.batch_progress(checkpoint_for_lightning(commit, world_size=4))
+    assert rescaled is not None
+    assert (rescaled["current"], rescaled["total"]) == (counters(2), counters(2))
+
+
+# ----- agree_on_restore, receive_commit in a world of one ---------------------------------
+
+
+def test_alone_without_a_commit_there_is_nothing_to_restore():
+    assert agree_on_restore(FakeWorker(), None, ["v1"]) == RestorePlan(None, ["v1"])
+
+
+def test_alone_with_a_commit_rank_0_is_the_source():
+    commit = take_commit(lightning_checkpoint(counters(1), counters(1), 7), 1, 7, None)
+    assert agree_on_restore(FakeWorker(), commit, ["v1"]) == RestorePlan(0, ["v1"])
+
+
+def test_alone_receive_commit_gives_back_the_commit():
+    commit = take_commit(lightning_checkpoint(counters(1), counters(1), global_step=7), 3, 7, position(consumed=15))
+    received = receive_commit(FakeWorker(), commit, source_rank=0)
+    assert isinstance(received, Commit)
+    assert (received.world_size, received.global_step, received.sampler) == (3, 7, position(consumed=15))
+    assert received.checkpoint["state_dict"]["weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# ----- agree_on_restore, receive_commit across real ranks ---------------------------------
+
+RANKS = 3
+# Each rank's commit step (None: holds no commit, a joiner) -> the agreed source rank.
+SCENARIOS: dict[str, tuple[list[int | None], int | None]] = {
+    "newest wins, lowest rank on a tie": ([5, 7, 7], 1),
+    "all tied: rank 0": ([4, 4, 4], 0),
+    "nobody holds one": ([None, None, None], None),
+    "only a joiner's peer holds one": ([None, 3, None], 1),
+    "the newest is the last rank's": ([2, None, 9], 2),
+    "step 0 counts as a commit": ([None, None, 0], 2),
+}
+
+
+def commit_at(step: int | None, rank: int) -> Commit | None:
+    if step is None:
+        return None
+    checkpoint = lightning_checkpoint(counters(step), counters(step), global_step=step)
+    checkpoint["state_dict"]["weight"] = torch.full((2,), float(rank))
+    return take_commit(checkpoint, world_size=10 + rank, global_step=step, sampler=position(consumed=rank))
+
+
+def agree_everywhere(rank: int, worker: FakeWorker) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, (steps, _) in SCENARIOS.items():
+        commit = commit_at(steps[rank], rank)
+        plan = agree_on_restore(worker, commit, [f"version of rank {rank}"])
+        received = None
+        if plan.source_rank is not None:
+            got = receive_commit(worker, commit, plan.source_rank)
+            received = (got.world_size, got.global_step, got.sampler, got.checkpoint["state_dict"]["weight"].tolist())
+        results[name] = (plan, received)
+    return results
+
+
+@pytest.fixture(scope="module")
+def agreed() -> list[dict[str, Any]]:
+    return run_ranks(RANKS, agree_everywhere, timeout=60)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_every_rank_agrees_on_the_newest_commit(agreed, name):
+    steps, source = SCENARIOS[name]
+    versions = [f"version of rank {source or 0}"]  # the source's logger versions, rank 0's if none
+    assert [result[name][0] for result in agreed] == [RestorePlan(source, versions)] * RANKS
+
+
+@pytest.mark.parametrize("name", [n for n, (_, source) in SCENARIOS.items() if source is not None])
+def test_every_rank_receives_the_source_ranks_commit(agreed, name):
+    steps, source = SCENARIOS[name]
+    expected = (10 + source, steps[source], position(consumed=source), [float(source)] * 2)
+    assert [result[name][1] for result in agreed] == [expected] * RANKS
+
+
+def test_nothing_is_received_when_nobody_holds_a_commit(agreed):
+    assert [result["nobody holds one"][1] for result in agreed] == [None] * RANKS
+

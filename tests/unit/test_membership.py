@@ -1,0 +1,163 @@
+"""launcher/membership.py: plan, announce and form decisions, from snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from launcher.hosts import HostSlots, SlotKey, assign_slots
+from launcher.membership import (
+    MembershipView,
+    Plan,
+    WorkerView,
+    announcement_due,
+    check_plan_keeps_state,
+    plan,
+    round_to_form,
+    vacant_slots,
+)
+from launcher.policy import Verdict
+from launcher.registry import WorkerState as S
+
+A, B, C = SlotKey("a", 0), SlotKey("b", 0), SlotKey("c", 0)
+
+
+def hosts(*names: str) -> tuple[HostSlots, ...]:
+    return tuple(HostSlots(n, 1) for n in names)
+
+
+def target(*names: str) -> tuple:
+    return tuple(assign_slots(hosts(*names), 8))
+
+
+def w(worker_id: str, slot: SlotKey, state: S = S.MEMBER, **kw) -> WorkerView:
+    return WorkerView(worker_id, slot, state, **kw)
+
+
+def view(**fields) -> MembershipView:
+    base = dict(hosts=hosts("a", "b"), max_np=8, workers=(), required_slots=1)
+    base.update(fields)
+    return MembershipView(**base)
+
+
+# ----- plan ------------------------------------------------------------------------------
+
+
+def test_the_first_plan_spawns_a_worker_per_slot():
+    p = plan(view())
+    assert p == Plan(target=target("a", "b"), leave=(), spawn=target("a", "b"))
+
+
+def test_a_staffed_unchanged_target_needs_no_plan():
+    v = view(workers=(w("wa", A), w("wb", B)), target=target("a", "b"))
+    assert plan(v) is None
+
+
+def test_a_removed_host_makes_its_worker_leave():
+    v = view(hosts=hosts("a"), workers=(w("wa", A), w("wb", B)), target=target("a", "b"))
+    assert plan(v) == Plan(target=target("a"), leave=("wb",), spawn=())
+
+
+def test_a_worker_already_leaving_is_not_told_twice():
+    v = view(hosts=hosts("a"), workers=(w("wa", A), w("wb", B, leave=True)), target=target("a", "b"))
+    assert plan(v).leave == ()
+
+
+def test_max_np_caps_the_target():
+    v = view(hosts=hosts("a", "b", "c"), max_np=2)
+    assert [a.slot for a in plan(v).target] == [A, B]
+
+
+def test_a_departing_workers_slot_is_vacant_until_it_exits():
+    departing = w("wb", B, leave=True, departing=True)
+    v = view(workers=(w("wa", A), departing), target=target("a", "b"))
+    assert vacant_slots(v) == {B}
+    assert plan(v) == Plan(target=target("a"), leave=(), spawn=())  # no replacement while it leaves
+    # Once it has exited, the slot is planned again: a new worker may start there.
+    after = view(workers=(w("wa", A),), target=target("a"))
+    assert plan(after) == Plan(target=target("a", "b"), leave=(), spawn=(target("a", "b")[1],))
+
+
+def test_a_plan_that_drops_every_host_of_the_round_loses_the_state():
+    members = (w("wa", A), w("wb", B))
+    v = view(hosts=hosts("c"), workers=members, round_number=1, round_members=members, target=target("a", "b"))
+    new = plan(v)
+    assert check_plan_keeps_state(v, new) == Verdict(
+        False, "no host of the previous set remains (previous: a, b; now: c): the training state is lost"
+    )
+
+
+def test_a_plan_keeping_one_host_of_the_round_keeps_the_state():
+    members = (w("wa", A), w("wb", B))
+    v = view(hosts=hosts("b", "c"), workers=members, round_number=1, round_members=members, target=target("a", "b"))
+    assert check_plan_keeps_state(v, plan(v)) is None
+
+
+# ----- announce --------------------------------------------------------------------------
+
+
+def round_view(members: tuple[WorkerView, ...], extra: tuple[WorkerView, ...] = (), **fields) -> MembershipView:
+    live = tuple(m for m in members if not m.state.finished) + extra
+    return view(workers=live, round_number=1, round_members=members, **fields)
+
+
+def test_nothing_to_announce_when_the_target_is_the_round():
+    members = (w("wa", A), w("wb", B))
+    assert announcement_due(round_view(members, target=target("a", "b"))) is False
+
+
+def test_a_removal_is_announced_at_once():
+    members = (w("wa", A), w("wb", B, leave=True))
+    assert announcement_due(round_view(members, target=target("a"))) is True
+
+
+def test_a_joiner_is_announced_only_once_it_waits_at_the_rendezvous():
+    members = (w("wa", A), w("wb", B))
+    starting = round_view(members, (w("wc", C, S.STARTING),), hosts=hosts("a", "b", "c"), target=target("a", "b", "c"))
+    assert announcement_due(starting) is False
+    waiting = dataclasses.replace(starting, workers=(*members, w("wc", C, S.WAITING, arrived_after_round=0)))
+    assert announcement_due(waiting) is True
+
+
+def test_a_target_already_announced_is_not_announced_again():
+    members = (w("wa", A), w("wb", B, leave=True))
+    v = round_view(members, target=target("a"), announced_for=(A,))
+    assert announcement_due(v) is False
+
+
+def test_a_broken_round_is_never_announced():
+    members = (w("wa", A), w("wb", B, leave=True))
+    assert announcement_due(round_view(members, target=target("a"), round_broken=True)) is False
+
+
+def test_nothing_is_announced_before_the_first_round():
+    assert announcement_due(view(target=target("a", "b"))) is False
+
+
+# ----- form ------------------------------------------------------------------------------
+
+
+def test_the_first_round_forms_when_every_target_worker_waits():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=0), w("wb", B, S.WAITING, arrived_after_round=0))
+    v = view(workers=workers, target=target("a", "b"), required_slots=2)
+    assert round_to_form(v) == (("wa", target("a", "b")[0]), ("wb", target("a", "b")[1]))
+
+
+def test_no_round_while_a_target_worker_is_not_waiting():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=0), w("wb", B, S.STARTING))
+    assert round_to_form(view(workers=workers, target=target("a", "b"))) is None
+
+
+def test_no_round_below_the_required_size():
+    # A departure leaves a smaller target: the survivors wait for slots, not train below --min-np.
+    workers = (w("wa", A, S.WAITING, arrived_after_round=1),)
+    assert round_to_form(view(workers=workers, target=target("a"), round_number=1, required_slots=2)) is None
+
+
+def test_a_worker_still_waiting_from_before_the_last_round_is_not_fresh():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=1), w("wb", B, S.WAITING, arrived_after_round=2))
+    assert round_to_form(view(workers=workers, target=target("a", "b"), round_number=2)) is None
+
+
+def test_a_worker_told_to_leave_is_never_a_member():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=0), w("wb", B, S.WAITING, leave=True, arrived_after_round=0))
+    assert round_to_form(view(workers=workers, target=target("a", "b"))) is None
