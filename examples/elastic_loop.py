@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -39,7 +40,26 @@ def parse_args() -> argparse.Namespace:
                         help="raise a ValueError at this global step (with --fail-on-host)")
     parser.add_argument("--fail-on-host", default="all",
                         help="host whose workers raise at --fail-at-step; 'all': every worker")
+    # Fault injection for the chaos tests (docs/reliability.md).
+    faults = parser.add_argument_group("fault injection")
+    faults.add_argument("--dist-error-at-step", type=int, default=-1,
+                        help="raise torch.distributed.DistError at this global step (with --dist-error-on-host)")
+    faults.add_argument("--dist-error-on-host", default="all", help="host that raises it; 'all': every worker")
+    faults.add_argument("--dist-error-once", action="store_true", help="raise it once per process only")
+    faults.add_argument("--reset-delay", type=float, default=0.0,
+                        help="seconds the reset callback takes (a window to fault the recovery in)")
+    faults.add_argument("--ballast-mb", type=int, default=0,
+                        help="megabytes of extra state, so that the state broadcast takes a while")
+    faults.add_argument("--exit-code", type=int, default=0,
+                        help="exit with this status after training returned (with --exit-on-host)")
+    faults.add_argument("--exit-on-host", default="all", help="host that exits so; 'all': every worker")
+    faults.add_argument("--hang-after-done-on-host", default="",
+                        help="after training returned, this host's workers never exit")
     return parser.parse_args()
+
+
+def on_host(host: str) -> bool:
+    return host in ("all", le.slot_info().hostname)
 
 
 class Events:
@@ -79,8 +99,14 @@ def main() -> None:
     sampler = le.ElasticSampler(dataset, shuffle=True, seed=7)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     state = le.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0, seen=[])
+    if args.ballast_mb:
+        state.ballast = torch.zeros(args.ballast_mb * 2**18)  # float32: 4 bytes each
+    injected = {"dist_error": False}
 
     def on_reset() -> None:
+        events.emit("reset", round=le.current_worker().assignment.round)
+        if args.reset_delay:
+            time.sleep(args.reset_delay)
         # Linear learning-rate scaling with the world size.
         for group in optimizer.param_groups:
             group["lr"] = args.lr * le.size()
@@ -97,8 +123,13 @@ def main() -> None:
         while state.epoch < args.epochs:
             sampler.set_epoch(state.epoch)
             for batch_idx, (index, x, y) in enumerate(loader):
-                if state.step == args.fail_at_step and args.fail_on_host in ("all", le.slot_info().hostname):
+                if state.step == args.fail_at_step and on_host(args.fail_on_host):
                     raise ValueError(f"injected failure at step {state.step} on rank {le.rank()}")
+                if (state.step == args.dist_error_at_step and on_host(args.dist_error_on_host)
+                        and not (args.dist_error_once and injected["dist_error"])):
+                    injected["dist_error"] = True
+                    events.emit("dist_error", step=state.step, round=le.current_worker().assignment.round)
+                    raise dist.DistError(f"injected collective error at step {state.step}")
                 optimizer.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
@@ -128,6 +159,13 @@ def main() -> None:
     train(state)
     if le.rank() == 0:
         print(f"training finished: {state.step} steps, world size {le.size()}", flush=True)
+    if args.hang_after_done_on_host and on_host(args.hang_after_done_on_host):
+        events.emit("hanging")
+        while True:
+            time.sleep(1)
+    if args.exit_code and on_host(args.exit_on_host):
+        events.emit("exiting", code=args.exit_code)
+        sys.exit(args.exit_code)
 
 
 if __name__ == "__main__":

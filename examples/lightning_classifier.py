@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fail-at-step", type=int, default=-1, help="raise ValueError in training_step at this step (first round only)")
     parser.add_argument("--fail-rank", type=int, default=-1, help="rank that raises (-1: every rank)")
     parser.add_argument("--progress-bar", action="store_true")
+    # Fault injection for the chaos tests (docs/reliability.md).
+    faults = parser.add_argument_group("fault injection")
+    faults.add_argument("--reset-delay", type=float, default=0.0,
+                        help="seconds on_elastic_reset takes (a window to fault the recovery in)")
+    faults.add_argument("--dist-error-at-step", type=int, default=-1,
+                        help="raise torch.distributed.DistError in training_step at this step, once per process")
+    faults.add_argument("--dist-error-rank", type=int, default=-1, help="rank that raises it (-1: every rank)")
+    faults.add_argument("--exit-code", type=int, default=0, help="exit with this status after fit returned")
+    faults.add_argument("--exit-rank", type=int, default=-1, help="rank that exits so (-1: every rank)")
     parser.add_argument("--import-lightning-elastic", action="store_true",
                         help="import lightning_elastic even with --strategy ddp (it must change nothing)")
     return parser.parse_args(argv)
@@ -119,16 +129,24 @@ def _round() -> int:
 
 class SpiralClassifier(pl.LightningModule):
     def __init__(self, lr: float, events: Events, fail_at_step: int = -1, fail_rank: int = -1,
-                 step_delay: float = 0.0) -> None:
+                 step_delay: float = 0.0, faults: argparse.Namespace | None = None) -> None:
         super().__init__()
         self.save_hyperparameters("lr")
         self.net = nn.Sequential(nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
         self.events, self.fail_at_step, self.fail_rank, self.step_delay = events, fail_at_step, fail_rank, step_delay
+        self.faults = faults
+        self._dist_error_raised = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, indices = batch
         if self.global_step == self.fail_at_step and self.fail_rank in (-1, self.global_rank) and _round() <= 1:
             raise ValueError(f"bug in the model at step {self.global_step} (rank {self.global_rank})")
+        f = self.faults
+        if (f is not None and self.global_step == f.dist_error_at_step and f.dist_error_rank in (-1, self.global_rank)
+                and not self._dist_error_raised):
+            self._dist_error_raised = True
+            self.events.emit("dist_error", self.trainer, step=self.global_step)
+            raise torch.distributed.DistError(f"injected collective error at step {self.global_step}")
         if self.step_delay:
             time.sleep(self.step_delay)  # stands in for a heavier model
         loss = nn.functional.cross_entropy(self.net(x), y)
@@ -154,6 +172,8 @@ class SpiralClassifier(pl.LightningModule):
     def on_elastic_reset(self, old_world_size: int, new_world_size: int) -> None:
         self.events.emit("reset", self.trainer, old=old_world_size, new=new_world_size,
                          lr=self.trainer.optimizers[0].param_groups[0]["lr"])
+        if self.faults is not None and self.faults.reset_delay:
+            time.sleep(self.faults.reset_delay)
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -186,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         import lightning_elastic  # noqa: F401
     pl.seed_everything(0, workers=True)
     events = Events(args.events)
-    model = SpiralClassifier(args.lr, events, args.fail_at_step, args.fail_rank, args.step_delay)
+    model = SpiralClassifier(args.lr, events, args.fail_at_step, args.fail_rank, args.step_delay, args)
     callbacks = build_callbacks(args.strategy)
     if args.strategy == "elastic_hvd":
         import lightning_elastic as le
@@ -215,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         log_dir=str(trainer.logger.log_dir) if trainer.logger else None,
         val_accuracy=float(trainer.callback_metrics.get("val_accuracy", float("nan"))),
     )
+    if args.exit_code and args.exit_rank in (-1, trainer.global_rank):
+        events.emit("exiting", trainer, code=args.exit_code)
+        sys.exit(args.exit_code)
 
 
 if __name__ == "__main__":

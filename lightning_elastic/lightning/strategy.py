@@ -115,6 +115,8 @@ class ElasticStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         self._worker = worker
+        if worker is not None:
+            worker.configure_collectives(self._collective_timeout, self._requested_backend)
         compat.ignore_mid_epoch_resume_warning()
         self.commit: Commit | None = None
         self._restore: RestorePlan | None = None

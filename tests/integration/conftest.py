@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import json
 import os
+import re
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -9,12 +13,21 @@ from tests.integration.harness import Job, wait_for
 from tests.integration.namespaces import HostsUnavailable, NamespacedHosts
 
 
+# Where to append one JSON line per launch (test, exit status, verdict, the driver's own
+# duration, world sizes): the measured column of docs/reliability.md's chaos matrix.
+REPORT_ENV = "LIGHTNING_ELASTIC_CHAOS_REPORT"
+
+
 @pytest.fixture
-def job(tmp_path) -> Iterator[Job]:
+def job(tmp_path, request: pytest.FixtureRequest) -> Iterator[Job]:
     """A launch in its own directory; afterwards no process of it may be left running."""
     j = Job(tmp_path)
+    started = time.monotonic()
     yield j
     j.kill()
+    report = os.environ.get(REPORT_ENV)
+    if report and j.proc is not None:
+        record_launch(Path(report), request.node.nodeid, j, time.monotonic() - started)
     # The driver must have stopped every worker it started (bounded wait for exits in flight).
     try:
         wait_for(lambda: not j.stray_processes(), 15, "the job's processes to exit")
@@ -23,6 +36,20 @@ def job(tmp_path) -> Iterator[Job]:
         for proc in stray:
             proc.kill()
         pytest.fail(f"processes left behind after the driver exited: {[p.pid for p in stray]}")
+
+
+def record_launch(report: Path, test: str, job: Job, wall: float) -> None:
+    match = re.search(r"duration:\s+([0-9.]+) s", job.stderr())
+    entry = {
+        "test": test,
+        "exit": job.proc.returncode if job.proc is not None else None,
+        "verdict": job.reason(),
+        "driver_seconds": float(match.group(1)) if match else None,
+        "test_seconds": round(wall, 1),
+        "world_sizes": job.world_sizes(),
+    }
+    with report.open("a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 @pytest.fixture(scope="session")

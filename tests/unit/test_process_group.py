@@ -15,6 +15,8 @@ from lightning_elastic.process_group import (
     destroy_round_group,
     init_round_group,
     nccl_environment,
+    validate_backend,
+    validate_timeout,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,6 +50,28 @@ def test_this_machine_without_gpu_gets_gloo():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert choose_backend(0) == GLOO
+
+
+def test_requested_gloo_on_gpus_keeps_the_cuda_device():
+    # process_group_backend="gloo" on a GPU machine: DDP on cuda:LOCAL_RANK over gloo.
+    assert choose_backend(2, cuda_available=True, requested="gloo") == BackendChoice("gloo", torch.device("cuda", 2))
+
+
+def test_requested_nccl_without_cuda_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^process_group_backend: 'nccl' needs CUDA devices, and this worker has none$"):
+        choose_backend(0, cuda_available=False, requested="nccl")
+
+
+@pytest.mark.parametrize("backend", ["mpi", "NCCL", ""])
+def test_an_unknown_backend_is_refused_naming_the_choices(backend):
+    with pytest.raises(ValueError, match=r"^process_group_backend: expected one of 'gloo', 'nccl', got "):
+        validate_backend(backend)
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), True, "60"])
+def test_an_invalid_collective_timeout_is_refused(seconds):
+    with pytest.raises(ValueError, match=r"^timeout: expected a positive, finite number of seconds, got "):
+        validate_timeout(seconds)
 
 
 # ----- nccl_environment ----------------------------------------------------------------

@@ -1,0 +1,212 @@
+"""Chaos matrix, plain loop: faults that pile up or come from unexpected places.
+
+Each case is a real launch of ``examples/elastic_loop.py`` with real signals and injected
+errors (the example's "fault injection" options); the table with measured times is in
+docs/reliability.md. Every wait has a bound; where training continues, the tests check
+exactly-once epochs and identical replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
+
+pytestmark = pytest.mark.integration
+
+H1, H2, H3, H4 = "127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"
+STEADY = ["--step-delay", "0.05", "--samples", "192", "--batch-size", "8", "--commit-every", "2"]
+
+
+def discovery_args(job: Job, *extra: str) -> list[str]:
+    return ["--host-discovery-script", str(job.discovery_script()), "--discovery-interval", "0.2", *extra]
+
+
+def pids_of_round(job: Job, round_number: int) -> set[int]:
+    return {e["pid"] for e in job.events("synced") if e["round"] == round_number}
+
+
+def assert_no_restart(job: Job, lost: set[int]) -> None:
+    """The workers that finished are the original processes, minus the ones lost."""
+    started = {e["pid"] for e in job.events("start")}
+    done = {e["pid"] for e in job.events("done")}
+    assert done and done <= started - lost, f"finished: {done}, started: {started}, lost: {lost}"
+
+
+def driver_saw(job: Job, text: str, timeout: float = 60) -> None:
+    wait_for(lambda: text in job.stderr() or job.proc.poll() is not None, timeout, repr(text))
+    assert text in job.stderr(), f"the driver never logged {text!r}:\n{job.stderr()[-3000:]}"
+
+
+# ----- a second fault during the recovery from a first ----------------------------------
+
+
+def test_second_worker_killed_while_the_first_recovery_re_forms(job: Job) -> None:
+    job.set_hosts(H1, H2, H3, H4)
+    job.start(discovery_args(job, "-np", "4", "--min-np", "1"), [*STEADY, "--epochs", "3"])
+    job.wait_steps(5)
+    first, second = job.worker_pid("127.0.0.2"), job.worker_pid("127.0.0.3")
+    os.kill(first, signal.SIGKILL)
+    driver_saw(job, "was killed by SIGKILL")  # the survivors are re-forming right now
+    os.kill(second, signal.SIGKILL)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes()[0] == 4 and job.world_sizes()[-1] == 2
+    assert "Blacklisted host 127.0.0.2" in job.stderr() and "Blacklisted host 127.0.0.3" in job.stderr()
+    assert_no_restart(job, {first, second})
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+
+
+def test_second_worker_killed_inside_its_reset_callback(job: Job) -> None:
+    job.set_hosts(H1, H2, H3, H4)
+    job.start(discovery_args(job, "-np", "4", "--min-np", "1"), [*STEADY, "--epochs", "3", "--reset-delay", "2"])
+    job.wait_steps(5)
+    first, second = job.worker_pid("127.0.0.2"), job.worker_pid("127.0.0.3")
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: any(e["pid"] == second for e in job.events("reset")), 60, "the reset callback on 127.0.0.3")
+    os.kill(second, signal.SIGKILL)  # the callback sleeps 2 s: it is inside it
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [4, 3, 2]
+    assert not any(e["pid"] == second and e["round"] == 2 for e in job.events("synced"))
+    assert_no_restart(job, {first, second})
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+
+
+def test_second_worker_killed_during_the_state_broadcast(job: Job) -> None:
+    # 96 MB of extra state: the broadcast after the first reset takes a while.
+    job.set_hosts(H1, H2, H3, H4)
+    job.start(discovery_args(job, "-np", "4", "--min-np", "1"), [*STEADY, "--epochs", "3", "--ballast-mb", "96"])
+    job.wait_steps(5, timeout=120)
+    first, second = job.worker_pid("127.0.0.2"), job.worker_pid("127.0.0.3")
+    os.kill(first, signal.SIGKILL)
+    # The reset callback runs right before the broadcast.
+    wait_for(lambda: any(e["pid"] == second for e in job.events("reset")), 60, "the reset on 127.0.0.3", 0.01)
+    os.kill(second, signal.SIGKILL)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [4, 3, 2]
+    assert not any(e["pid"] == second and e["round"] == 2 for e in job.events("synced")), "it finished the broadcast"
+    assert_no_restart(job, {first, second})
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+
+
+# ----- preemption ------------------------------------------------------------------------
+
+
+def test_sigterm_is_a_graceful_leave_without_rollback_or_blacklist(job: Job) -> None:
+    job.set_hosts(H1, H2, H3)
+    job.start(discovery_args(job, "-np", "3", "--min-np", "1"), [*STEADY, "--epochs", "3"])
+    job.wait_steps(5)
+    leaver = job.worker_pid("127.0.0.2")
+    os.kill(leaver, signal.SIGTERM)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "left the job on SIGTERM (preemption notice); host 127.0.0.2 stays usable" in err
+    assert "Blacklisted" not in err and "failures:      0" in err
+    assert "preempted:     1 (left without rollback)" in err
+    assert job.world_sizes()[:2] == [3, 2]
+    # Nothing re-executed: round 2 starts at the very step round 1 stopped at.
+    last_of_round_1 = max(e["step"] for e in job.events("step") if e["size"] == 3 and e["pid"] != leaver)
+    assert {e["step"] for e in job.events("synced") if e["round"] == 2} == {last_of_round_1}
+    assert {e["step"] for e in job.events("step") if e["pid"] == leaver} <= set(range(1, last_of_round_1 + 1))
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+
+
+def test_a_preempted_worker_that_cannot_leave_in_its_grace_falls_back_to_a_failure(job: Job) -> None:
+    # Steps of 3 s and a grace of 1 s: the next check comes too late.
+    job.set_hosts(H1, H2, H3)
+    job.start(discovery_args(job, "-np", "3", "--min-np", "1", "--preemption-grace", "1"),
+              ["--step-delay", "3", "--samples", "48", "--batch-size", "8", "--commit-every", "1", "--epochs", "2"])
+    job.wait_steps(2)
+    leaver = job.worker_pid("127.0.0.2")
+    os.kill(leaver, signal.SIGTERM)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "before it could leave on SIGTERM (preemption notice)" in err
+    assert "Blacklisted host 127.0.0.2" in err
+    assert job.world_sizes()[:2] == [3, 2]
+    assert_epochs_complete(job, 2)
+    assert_replicas_identical(job)
+
+
+# ----- honest success ------------------------------------------------------------------
+
+
+def test_a_worker_exiting_3_after_training_returned_fails_the_job(job: Job) -> None:
+    code = job.run(["-np", "2", "-H", f"{H1},{H2}"], [*STEADY, "--epochs", "1", "--exit-code", "3",
+                                                       "--exit-on-host", "127.0.0.2"])
+    assert code == 1, job.stderr()[-3000:]
+    assert "not every worker finished cleanly" in job.reason()
+    assert "exited with status 3 after training returned" in job.reason()
+    assert len(job.events("done")) == 2
+
+
+def test_a_done_worker_that_never_exits_is_stopped_within_the_exit_timeout(job: Job) -> None:
+    code = job.run(["-np", "2", "-H", f"{H1},{H2}", "--exit-timeout", "3"],
+                   [*STEADY, "--epochs", "1", "--hang-after-done-on-host", "127.0.0.2"], timeout=120)
+    assert code == 1, job.stderr()[-3000:]
+    assert "did not exit within 3 s of worker 127.0.0.1[0]#0" in job.reason()
+    assert job.events("hanging")
+
+
+# ----- collective errors -----------------------------------------------------------------
+
+
+def test_a_deterministic_collective_error_ends_the_job_within_the_limit(job: Job) -> None:
+    code = job.run(["-np", "2", "-H", f"{H1},{H2}", "--repeated-error-limit", "3"],
+                   [*STEADY, "--epochs", "2", "--dist-error-at-step", "5"], timeout=120)
+    assert code == 1, job.stderr()[-3000:]
+    reason = job.reason()
+    assert "the same collective error ended 3 consecutive rounds" in reason
+    assert "injected collective error at step 5" in reason
+    assert len(job.rounds_formed()) <= 4
+
+
+def test_one_rank_raising_a_dist_error_alone_makes_everyone_recover(job: Job) -> None:
+    job.set_hosts(H1, H2, H3)
+    code = job.run(discovery_args(job, "-np", "3"),
+                   [*STEADY, "--epochs", "2", "--dist-error-at-step", "5", "--dist-error-on-host", "127.0.0.2",
+                    "--dist-error-once"])
+    assert code == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "Round 1 is broken: worker 127.0.0.2[0]#1 left round 1 after a collective error: " \
+        "torch.distributed.DistError: injected collective error at step 5" in err
+    assert "Blacklisted" not in err
+    assert job.world_sizes() == [3, 3]
+    assert len(job.events("dist_error")) == 1
+    assert_no_restart(job, set())
+    assert_epochs_complete(job, 2)
+    assert_replicas_identical(job)
+
+
+# ----- discovery misbehaving mid-run ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "logged"),
+    [
+        ("sleep 600", "did not finish within"),
+        ("echo broken >&2; exit 1", "exited with status 1: broken"),
+        ("echo 'not a host entry!'", "invalid host entry"),
+    ],
+    ids=["hangs", "fails", "garbage"],
+)
+def test_discovery_misbehaving_mid_run_leaves_training_at_the_same_size(job: Job, fault: str, logged: str) -> None:
+    job.set_hosts(H1, H2)
+    trigger = job.dir / "misbehave"
+    body = f"#!/bin/sh\nif [ -e {trigger} ]; then {fault}; fi\ncat {job.hosts_file}\n"
+    job.start(["--host-discovery-script", str(job.discovery_script(body)), "--discovery-interval", "0.2",
+               "-np", "2"], [*STEADY, "--epochs", "4" if fault.startswith("sleep") else "2"])
+    job.wait_steps(3)
+    trigger.touch()
+    if not fault.startswith("sleep"):
+        driver_saw(job, logged)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [2]
+    assert_epochs_complete(job, 4 if fault.startswith("sleep") else 2)
+    assert_replicas_identical(job)
