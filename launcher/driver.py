@@ -323,6 +323,9 @@ class Driver:
             if outcome == p.Outcome.DONE and status == 0:
                 record.state = WorkerState.DONE
                 log.info("Worker %s finished training and exited.", record.worker_id)
+            elif outcome == p.Outcome.REMOVED and status != 0:
+                # It left its round cleanly, then crashed on its way out: no round to break.
+                self._fail(record, status, break_round=False, blacklist=False)
             elif outcome == p.Outcome.REMOVED:
                 record.state = WorkerState.REMOVED
                 if record.departing:
@@ -361,6 +364,8 @@ class Driver:
             how = describe_status(status)
         if record.reported_done and status != 0:
             how += " after training returned"
+        elif record.report and record.report.outcome == p.Outcome.REMOVED:
+            how += " after leaving the job"
         if record.departing:
             how += f" before it could leave on {record.departing}"
         if record.worker_id in self._kill_reasons:

@@ -111,7 +111,7 @@ class RetryEngine(Generic[R]):
                     worker.report(p.Outcome.FAILED, message)
                     raise
                 log.warning(
-                    "Rank %d: round %d lost a member (%s); restoring the last commit.",
+                    "Rank %d: round %d is broken (here: %s); restoring the last commit.",
                     worker.assignment.rank, worker.assignment.round, _first_line(err),
                 )
                 recovery.restore_commit()
