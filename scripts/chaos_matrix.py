@@ -1,0 +1,136 @@
+"""Render docs/reliability.md's chaos matrix from one run of the suite.
+
+    CI=true LIGHTNING_ELASTIC_CHAOS_REPORT=report.jsonl bash scripts/test.sh -q -ra --durations=0 > pytest.log
+    python scripts/chaos_matrix.py report.jsonl pytest.log
+
+``report.jsonl`` holds one line per launch (tests/integration/conftest.py); ``pytest.log``
+gives the wall time of the cases that start the driver themselves. Each case below names
+its test, the fault, what must happen and what the test checks beyond that.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+EO = "exactly once, identical replicas"
+SAME = "same processes"
+
+# (test node id without "tests/integration/", API, fault, expected result, extra checks).
+# Signal parameters show as their numbers in node ids: 2 SIGINT, 9 SIGKILL, 15 SIGTERM.
+CASES: list[tuple[str, str, str, str, str]] = [
+    ("test_elastic_launch.py::test_sigkilled_worker_survivors_restore_commit_and_finish", "loop",
+     "a worker SIGKILLed mid-epoch", "success at 2 of 3; host blacklisted; last commit restored", EO),
+    ("test_chaos_loop.py::test_second_worker_killed_while_the_first_recovery_re_forms", "loop",
+     "a second worker SIGKILLed while the survivors re-form (rendezvous)", "success at 2 of 4", f"{EO}, {SAME}"),
+    ("test_chaos_loop.py::test_second_worker_killed_inside_its_reset_callback", "loop",
+     "a second worker SIGKILLed inside its reset callback", "success; sizes 4 -> 3 -> 2", f"{EO}, {SAME}"),
+    ("test_chaos_loop.py::test_second_worker_killed_during_the_state_broadcast", "loop",
+     "a second worker SIGKILLed during the state broadcast (96 MB of state)", "success; sizes 4 -> 3 -> 2",
+     f"{EO}, {SAME}; the victim never finished the broadcast"),
+    ("test_chaos_loop.py::test_sigterm_is_a_graceful_leave_without_rollback_or_blacklist", "loop",
+     "SIGTERM to one worker (preemption)", "success; leaver exits 0; no blacklist; nothing re-executed",
+     f"{EO}; round 2 starts at round 1's last step"),
+    ("test_chaos_loop.py::test_a_preempted_worker_that_cannot_leave_in_its_grace_falls_back_to_a_failure", "loop",
+     "SIGTERM with steps longer than --preemption-grace", "success without it; it counts as lost and is blacklisted", EO),
+    ("test_chaos_loop.py::test_a_worker_exiting_3_after_training_returned_fails_the_job", "loop",
+     "a worker exits 3 after training returned", "failure naming it", "both reported done"),
+    ("test_chaos_loop.py::test_a_done_worker_that_never_exits_is_stopped_within_the_exit_timeout", "loop",
+     "a worker never exits after training returned", "failure after --exit-timeout (3 s); it is stopped", "no process left"),
+    ("test_chaos_loop.py::test_a_deterministic_collective_error_ends_the_job_within_the_limit", "loop",
+     "DistError at the same step on every rank, every round", "failure after 3 rounds naming the error", "at most 4 rounds"),
+    ("test_chaos_loop.py::test_one_rank_raising_a_dist_error_alone_makes_everyone_recover", "loop",
+     "one rank raises DistError once", "success at the same size; no blacklist", f"{EO}, {SAME}"),
+    ("test_chaos_loop.py::test_discovery_misbehaving_mid_run_leaves_training_at_the_same_size[hangs]", "loop",
+     "discovery script hangs mid-run", "success at the same size; the script is killed at the end", EO),
+    ("test_chaos_loop.py::test_discovery_misbehaving_mid_run_leaves_training_at_the_same_size[fails]", "loop",
+     "discovery script fails mid-run", "success at the same size; failure logged", EO),
+    ("test_chaos_loop.py::test_discovery_misbehaving_mid_run_leaves_training_at_the_same_size[garbage]", "loop",
+     "discovery script prints garbage mid-run", "success at the same size; error logged", EO),
+    ("test_elastic_launch.py::test_worker_exception_is_reported_and_job_goes_on", "loop",
+     "a user exception on one worker", "success without it; traceback shown; host blacklisted", EO),
+    ("test_elastic_launch.py::test_hosts_added_and_removed_repeatedly", "loop",
+     "a flapping host (added, removed, added, removed)", "success; sizes 2 -> 3 -> 2 -> 3 -> 2", EO),
+    ("test_elastic_launch.py::test_blacklisted_host_returns_after_cooldown", "loop",
+     "a host that fails and comes back after its cooldown", "success; the host rejoins", EO),
+    ("test_elastic_launch.py::test_stopped_worker_is_killed_after_missed_heartbeats", "loop",
+     "SIGSTOP to a worker", "success at 2 of 3 after --heartbeat-timeout", EO),
+    ("test_elastic_launch.py::test_all_workers_failing_fails_the_job", "loop",
+     "every rank raises", "failure naming the first error", ""),
+    ("test_elastic_launch.py::test_every_host_blacklisted_fails_the_job", "loop",
+     "every host blacklisted", "failure naming the hosts", ""),
+    ("test_elastic_launch.py::test_reset_limit_exceeded_fails_the_job", "loop",
+     "--reset-limit 0 and a lost worker", "failure: reset limit exceeded", ""),
+    ("test_elastic_launch.py::test_below_min_np_past_elastic_timeout_fails_the_job", "loop",
+     "below --min-np past --elastic-timeout", "failure naming the slots", ""),
+    ("test_elastic_launch.py::test_driver_signal_stops_every_worker[15]", "loop",
+     "SIGTERM to the driver", "failure: interrupted; every worker stopped", "no process left"),
+    ("test_elastic_launch.py::test_driver_signal_stops_every_worker[2]", "loop",
+     "SIGINT to the driver", "failure: interrupted; every worker stopped", "no process left"),
+    ("test_elastic_launch.py::test_driver_sigkill_takes_workers_down", "loop",
+     "SIGKILL to the driver", "every worker dies with it", "no process left"),
+    ("test_broken_stdout.py::test_job_succeeds_after_the_stdout_reader_goes_away", "loop",
+     "`\\| head -n 5` on the driver's output", "success; workers drained; logs complete", "no process left"),
+    ("test_broken_stdout.py::test_job_status_survives_stdout_and_stderr_going_away", "loop",
+     "`2>&1 \\| head -n 5`", "exit status is the job's", "no process left"),
+    ("test_lightning.py::test_sigkill_of_rank0_fit_completes_in_surviving_processes", "Lightning",
+     "rank 0 SIGKILLed mid-epoch", "success at 2 of 3; one logger run", f"{EO}, {SAME}, LR schedule"),
+    ("test_lightning.py::test_host_added_then_removed_mid_epoch", "Lightning",
+     "a host added, then removed, mid-epoch", "success; no rollback", EO),
+    ("test_chaos_lightning.py::test_sigterm_to_one_of_three_leaves_without_rollback_restart_or_blacklist", "Lightning",
+     "SIGTERM to one of three (preemption)", "success; leaver exits 0; no blacklist; nothing re-executed",
+     f"{EO}, {SAME}, LR rescaled 3 -> 2"),
+    ("test_chaos_lightning.py::test_preemption_wave_two_of_three_leave_at_once", "Lightning",
+     "SIGTERM to two of three at once", "success; 2 preempted; no blacklist", f"{EO}, {SAME}"),
+    ("test_chaos_lightning.py::test_second_worker_killed_inside_on_elastic_reset", "Lightning",
+     "a second worker SIGKILLed inside on_elastic_reset", "success; sizes 4 -> 3 -> 2", f"{EO}, {SAME}"),
+    ("test_chaos_lightning.py::test_a_worker_exiting_3_after_fit_returned_fails_the_job", "Lightning",
+     "a worker exits 3 after fit returned", "failure naming it", ""),
+    ("test_chaos_lightning.py::test_one_rank_raising_dist_error_alone_makes_everyone_recover", "Lightning",
+     "one rank raises DistError once", "success at the same size; no blacklist", f"{EO}, {SAME}"),
+    ("test_lightning.py::test_user_exception_on_every_rank_fails_promptly", "Lightning",
+     "every rank raises in training_step", "failure naming the error", ""),
+    ("test_lightning.py::test_user_exception_on_one_rank_that_worker_fails_others_go_on", "Lightning",
+     "one rank raises in training_step", "success without it", EO),
+    ("test_multi_machine.py::test_remote_worker_sigkilled_survivors_go_on_in_the_same_processes", "machines",
+     "a remote worker SIGKILLed", "success; same processes", EO),
+    ("test_multi_machine.py::test_partitioned_host_is_lost_and_its_worker_exits_on_its_own", "machines",
+     "a host's link goes down (partition)", "success without it; its worker exits on its own", ""),
+    ("test_multi_machine.py::test_host_whose_every_process_dies_is_lost", "machines",
+     "every process of a host dies (machine loss)", "success without it", ""),
+    ("test_multi_machine.py::test_ssh_connection_dropped_takes_the_remote_worker_down", "machines",
+     "the ssh connection is killed", "the remote worker dies with it; success without it", ""),
+    ("test_multi_machine.py::test_unreachable_host_is_blacklisted_with_the_ssh_error", "machines",
+     "a host without sshd", "blacklisted with ssh's error", ""),
+    ("test_multi_machine.py::test_driver_killed_or_stopped_leaves_no_worker_on_any_host[9]", "machines",
+     "SIGKILL to the driver", "no worker left on any host", "no process left"),
+    ("test_multi_machine.py::test_driver_killed_or_stopped_leaves_no_worker_on_any_host[15]", "machines",
+     "SIGTERM to the driver", "failure: interrupted; no worker left on any host", "no process left"),
+]
+
+
+def main(report_path: str, pytest_log: str | None = None) -> None:
+    launches = {}
+    for line in Path(report_path).read_text().splitlines():
+        entry = json.loads(line)
+        launches[entry["test"].removeprefix("tests/integration/")] = entry
+    walls = {}
+    if pytest_log:
+        for m in re.finditer(r"([0-9.]+)s call\s+tests/integration/(\S+)", Path(pytest_log).read_text()):
+            walls[m.group(2)] = float(m.group(1))
+    print("| # | API | fault | expected (exit status) | also checked | driver | test | test function |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for number, (test, api, fault, expected, checks) in enumerate(CASES, start=1):
+        entry = launches.get(test, {})
+        driver = f"{entry['driver_seconds']:.1f} s" if entry.get("driver_seconds") is not None else "—"
+        wall = walls.get(test, entry.get("test_seconds"))
+        wall_text = f"{wall:.0f} s" if wall is not None else "not run"
+        exit_text = f" ({entry['exit']})" if entry.get("exit") is not None else ""
+        module, name = test.split("::")
+        print(f"| {number} | {api} | {fault} | {expected}{exit_text} | {checks or '—'} | {driver} | {wall_text} "
+              f"| `{module}::{name}` |")
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
