@@ -120,6 +120,7 @@ class Driver:
         self._blacklisted: list[str] = []
         self._failure_of: dict[str, str] = {}
         self._departures: list[str] = []
+        self._held_until: dict[SlotKey, float] = {}  # slot left on a preemption notice -> end of its hold
         self._first_exit: tuple[float, str] | None = None  # when and who, once training has returned
         self._refused_hosts: set[str] = set()
         self._stop_requested = threading.Event()
@@ -330,6 +331,7 @@ class Driver:
                 record.state = WorkerState.REMOVED
                 if record.departing:
                     self._departures.append(f"worker {record.worker_id} left on {record.departing}")
+                    self._held_until[record.slot] = now + self._config.timeouts.preemption_grace
                     log.info("Worker %s left the job on %s; host %s stays usable.",
                              record.worker_id, record.departing, record.slot.host)
                 else:
@@ -463,8 +465,10 @@ class Driver:
                 )
                 for w in reg.round.members
             )
-        vacant = {w.slot for w in reg.live_workers() if w.departing}
-        available = count_slots(self._hosts.available()) - len(vacant)
+        hosts = self._hosts.available()
+        vacant = membership.vacant_slots(self._membership_view())
+        slots_of_host = {h.host: h.slots for h in hosts}
+        available = count_slots(hosts) - sum(s.local_rank < slots_of_host.get(s.host, 0) for s in vacant)
         required = self._required_slots()
         if available < required:
             if self._below_since is None:
@@ -509,6 +513,7 @@ class Driver:
             round_broken=current is not None and current.number in reg.broken_rounds,
             announced_for=self._announced_for,
             required_slots=self._required_slots(),
+            held=frozenset(slot for slot, until in self._held_until.items() if self._clock() < until),
         )
 
     def _plan(self) -> policy.Verdict | None:

@@ -46,6 +46,9 @@ class MembershipView:
     round_broken: bool = False
     announced_for: tuple[SlotKey, ...] | None = None  # the target last announced
     required_slots: int = 1
+    # Slots whose worker left on a preemption notice a moment ago: a machine being
+    # preempted goes away within its grace period, so no new worker is started there yet.
+    held: frozenset[SlotKey] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +59,8 @@ class Plan:
 
 
 def vacant_slots(view: MembershipView) -> frozenset[SlotKey]:
-    """Slots of workers leaving on a preemption notice: out of the plan until they exit."""
-    return frozenset(w.slot for w in view.workers if w.departing)
+    """Slots of workers leaving on a preemption notice, or that left one a moment ago."""
+    return frozenset(w.slot for w in view.workers if w.departing) | view.held
 
 
 def plan(view: MembershipView) -> Plan | None:

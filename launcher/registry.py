@@ -254,11 +254,9 @@ class Registry:
             return HeartbeatReply(self.generation, max(self.broken_rounds, default=0))
 
     def round_lost(self, request: RoundLostRequest) -> RoundLostReply:
-        """Did ``request.round`` lose a member? Answers early both ways.
+        """Did ``request.round`` lose a member? Answers early both ways (see ``classify_error``).
 
-        Yes as soon as the driver has seen a member exit; no at once when every live member
-        of the round is asking too (the same error everywhere: the user's own), otherwise
-        no after the bounded wait.
+        A collective error first breaks the round (its member leaves it whatever the answer).
         """
         deadline = self._clock() + min(request.wait_seconds, 60.0)
         with self.cond:
@@ -266,38 +264,35 @@ class Registry:
             record.asking_round = request.round
             record.last_heartbeat = self._clock()
             self.cond.notify_all()
+            current = self.round.number if self.round is not None else 0
+            if request.collective and request.round == current:
+                self.mark_round_broken(
+                    request.round,
+                    f"worker {record.worker_id} left round {request.round} after a collective error: {request.error}",
+                    error=request.error or "collective error",
+                    commits=request.commits,
+                )
             try:
-                if request.collective:
-                    return self._collective_error(record, request)
                 while True:
-                    if request.round in self.user_error_rounds:
-                        return RoundLostReply(False)
-                    if request.round in self.broken_rounds:
-                        return RoundLostReply(True)
-                    if self._all_members_asking(request.round):
-                        self.user_error_rounds.add(request.round)
-                        self.cond.notify_all()
-                        return RoundLostReply(False)
-                    remaining = deadline - self._clock()
-                    if remaining <= 0:
-                        return RoundLostReply(False)
-                    self.cond.wait(remaining)
+                    all_asking = self._all_members_asking(request.round)
+                    view = ErrorView(
+                        broken=request.round in self.broken_rounds,
+                        judged_own=request.round in self.user_error_rounds,
+                        all_members_asking=all_asking,
+                        collective=request.collective,
+                        repeated_error=self.repeated_error,
+                        waited_out=deadline - self._clock() <= 0,
+                    )
+                    reply = classify_error(view)
+                    if reply is not None:
+                        if all_asking and not reply.lost and not request.collective:
+                            # Sticky, so members answered later agree.
+                            self.user_error_rounds.add(request.round)
+                            self.cond.notify_all()
+                        return reply
+                    self.cond.wait(max(0.0, deadline - self._clock()))
             finally:
                 record.asking_round = None
-
-    def _collective_error(self, record: WorkerRecord, request: RoundLostRequest) -> RoundLostReply:
-        """A collective error takes its member out of the round whatever else happened, so
-        the round is broken (its peers recover) unless the same error keeps repeating."""
-        if request.round not in self.broken_rounds and self.round is not None and request.round == self.round.number:
-            self.mark_round_broken(
-                request.round,
-                f"worker {record.worker_id} left round {request.round} after a collective error: {request.error}",
-                error=request.error or "collective error",
-                commits=request.commits,
-            )
-        if self.repeated_error is not None:
-            return RoundLostReply(False, self.repeated_error)
-        return RoundLostReply(True)
 
     def leave(self, request: LeaveRequest) -> LeaveReply:
         """A worker got a preemption notice: let it leave at its next check, or not."""
@@ -355,3 +350,35 @@ def repeated_collective_error(breaks: Sequence[RoundBreak], limit: int) -> str |
         f"the same collective error ended {limit} consecutive rounds ({first.round}-{last[-1].round}) "
         f"with no commit in between: {last[-1].error}"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorView:
+    """What the driver knows when a member asks about an error it caught in its round."""
+
+    broken: bool  # the round lost a member: one exited, was killed, left, or had a collective error
+    judged_own: bool  # every live member once asked at the same time: the same error everywhere
+    all_members_asking: bool  # every live member of the round is asking now
+    collective: bool  # the asker's error is a collective failure by its type
+    repeated_error: str | None  # the same collective error ended too many rounds
+    waited_out: bool  # the asker's bounded wait is over
+
+
+def classify_error(view: ErrorView) -> RoundLostReply | None:
+    """The answer to a member's error, or None to wait for more facts.
+
+    "Lost" (recover from the last commit) when the round is broken; a collective error
+    broke it itself, so it is recovered from unless it keeps repeating. "Own error" at once
+    when every live member asks (the same error everywhere: the user's), else after the wait.
+    """
+    if view.collective:
+        if view.repeated_error is not None:
+            return RoundLostReply(False, view.repeated_error)
+        return RoundLostReply(True)
+    if view.judged_own:
+        return RoundLostReply(False)
+    if view.broken:
+        return RoundLostReply(True)
+    if view.all_members_asking or view.waited_out:
+        return RoundLostReply(False)
+    return None

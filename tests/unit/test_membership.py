@@ -161,3 +161,9 @@ def test_a_worker_still_waiting_from_before_the_last_round_is_not_fresh():
 def test_a_worker_told_to_leave_is_never_a_member():
     workers = (w("wa", A, S.WAITING, arrived_after_round=0), w("wb", B, S.WAITING, leave=True, arrived_after_round=0))
     assert round_to_form(view(workers=workers, target=target("a", "b"))) is None
+
+
+def test_a_slot_held_after_a_preemption_gets_no_new_worker_yet():
+    v = view(workers=(w("wa", A),), target=target("a"), held=frozenset({B}))
+    assert vacant_slots(v) == {B}
+    assert plan(v) is None

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from launcher.hosts import SlotAssignment, SlotKey
-from launcher.registry import Registry, UnknownWorker, WorkerRecord, WorkerState, outcome_of
+from launcher.registry import ErrorView, Registry, UnknownWorker, WorkerRecord, WorkerState, classify_error, outcome_of
 from lightning_elastic.protocol import (
     HeartbeatRequest,
     LeaveReply,
@@ -528,3 +528,28 @@ def test_leave_is_refused_when_the_driver_stops_the_worker_or_training_is_over(r
 def test_leave_of_unknown_worker_is_refused(reg):
     with pytest.raises(UnknownWorker):
         reg.leave(LeaveRequest("ghost", "SIGTERM"))
+
+
+# ----- classify_error: the decision itself, as a table ------------------------------------
+
+NO_FACTS = dict(broken=False, judged_own=False, all_members_asking=False, collective=False,
+                repeated_error=None, waited_out=False)
+
+
+@pytest.mark.parametrize(
+    ("facts", "reply"),
+    [
+        ({}, None),  # nothing known yet: wait
+        ({"waited_out": True}, RoundLostReply(False)),
+        ({"broken": True}, RoundLostReply(True)),
+        ({"all_members_asking": True}, RoundLostReply(False)),
+        ({"judged_own": True, "broken": True}, RoundLostReply(False)),  # sticky: later askers agree
+        ({"broken": True, "all_members_asking": True}, RoundLostReply(True)),
+        ({"collective": True}, RoundLostReply(True)),
+        ({"collective": True, "all_members_asking": True}, RoundLostReply(True)),
+        ({"collective": True, "repeated_error": "same error 3 rounds"}, RoundLostReply(False, "same error 3 rounds")),
+        ({"repeated_error": "same error 3 rounds", "broken": True}, RoundLostReply(True)),
+    ],
+)
+def test_classify_error(facts, reply):
+    assert classify_error(ErrorView(**{**NO_FACTS, **facts})) == reply
