@@ -407,13 +407,8 @@ class Driver:
         for record in self._registry.live_workers():
             if record.worker_id not in self._stopping:
                 why = f"it did not exit within {limit:g} s of worker {first}"
-                log.warning("Stopping worker %s: %s.", record.worker_id, why)
-                self._kill_reasons[record.worker_id] = why
-                record.stopping = True
-                proc = self._processes[record.worker_id]
-                proc.signal(signal.SIGTERM)
-                proc.signal(signal.SIGCONT)
-                self._stopping[record.worker_id] = now + self._config.timeouts.stop_grace
+                self._kill_reasons[record.worker_id] = why  # counted as failed when reaped
+                self._stop_worker(record, why)
 
     def _kill_wedged(self, now: float) -> None:
         t = self._config.timeouts

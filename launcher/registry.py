@@ -1,8 +1,11 @@
 """The driver's view of its workers and rounds, shared by the driver loop and the rendezvous service.
 
 One object owns this runtime state and one lock guards it. The rendezvous service's request
-handlers only record what workers say and wait (bounded) for the driver loop's decisions;
-the driver loop makes every membership decision. A ``threading.Condition`` wakes both sides.
+handlers record what workers say and wait (bounded) for the driver loop's decisions; the
+driver loop makes every membership decision. What a worker's request proves at once is
+recorded at once: a member back at the rendezvous unannounced, or one leaving after a
+collective error, breaks its round (so its peers hear it without waiting for a tick), and
+an error is answered by ``classify_error``. A ``threading.Condition`` wakes both sides.
 """
 
 from __future__ import annotations

@@ -132,6 +132,7 @@ class ElasticWorker:
         self._collective_timeout = collective_timeout  # None: the launcher's --collective-timeout
         self._requested_backend = backend  # None: NCCL with CUDA, else gloo
         self._commits_in_round = 0
+        self._preemption: PreemptionHandler | None = None
         self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
         self._store: DriverStore | None = None
         self._assignment: p.Assignment | None = None
@@ -179,7 +180,8 @@ class ElasticWorker:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="elastic-heartbeat", daemon=True)
         self._heartbeat.start()
         if threading.current_thread() is threading.main_thread():
-            PreemptionHandler(self.request_leave, self.settings.preemption_grace).install()
+            self._preemption = PreemptionHandler(self.request_leave, self.settings.preemption_grace)
+            self._preemption.install()
         self._join_next_round()
 
     def reset(self) -> None:
@@ -209,6 +211,8 @@ class ElasticWorker:
                 break
             if reply.status == p.RendezvousStatus.EXIT:
                 log.info("Worker %s is no longer part of the job: leaving.", self.settings.worker_id)
+                if self._preemption is not None:
+                    self._preemption.left()  # leaving in time: no forced exit during teardown
                 self._client.report(after, p.Outcome.REMOVED)
                 self.shutdown()
                 sys.exit(0)
