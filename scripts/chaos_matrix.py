@@ -96,6 +96,8 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "one rank raises in training_step", "success without it", EO),
     ("test_multi_machine.py::test_remote_worker_sigkilled_survivors_go_on_in_the_same_processes", "machines",
      "a remote worker SIGKILLed", "success; same processes", EO),
+    ("test_multi_machine.py::test_remote_worker_sigterm_is_a_graceful_leave", "machines",
+     "SIGTERM to a remote worker (preemption)", "success; leaver exits 0; no blacklist; nothing re-executed", EO),
     ("test_multi_machine.py::test_partitioned_host_is_lost_and_its_worker_exits_on_its_own", "machines",
      "a host's link goes down (partition)", "success without it; its worker exits on its own", ""),
     ("test_multi_machine.py::test_host_whose_every_process_dies_is_lost", "machines",

@@ -106,6 +106,25 @@ def test_remote_worker_sigkilled_survivors_go_on_in_the_same_processes(job: Job,
     assert_replicas_identical(job)
 
 
+def test_remote_worker_sigterm_is_a_graceful_leave(job: Job, hosts: NamespacedHosts) -> None:
+    # The machine's own orchestrator announces a preemption: the worker asks the driver, over
+    # the network, to leave; nothing is rolled back and the host is not blacklisted.
+    h1, h2, h3 = hosts.names
+    job.start(launch_args(hosts, "-np", "3", "--min-np", "1", "-H", f"{h1}:1,{h2}:1,{h3}:1"),
+              [*STEADY, "--epochs", "3"])
+    job.wait_rounds(1)
+    job.wait_steps(5)
+    os.kill(job.worker_pid(h2), signal.SIGTERM)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert f"Worker {h2}[0]#1 left the job on SIGTERM (preemption notice); host {h2} stays usable." in err
+    assert "Blacklisted" not in err and "failures:      0" in err
+    assert job.world_sizes()[:2] == [3, 2]
+    assert synced_step(job, 2) == last_step_before_round(job, 2)  # nothing re-executed
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+
+
 def test_remote_host_added_joins_and_removed_host_leaves_without_rollback(job: Job, hosts: NamespacedHosts) -> None:
     h1, h2, h3 = hosts.names
     job.set_hosts(f"{h1}:1", f"{h2}:1")
