@@ -91,7 +91,7 @@ class RetryEngine(Generic[R]):
         while True:
             try:
                 if resumed:
-                    recovery.before_rejoin()
+                    self._release(recovery)
                     worker.reset()
                 recovery.prepare(resumed)
                 result = recovery.attempt()
@@ -119,6 +119,15 @@ class RetryEngine(Generic[R]):
                 continue
             worker.report(p.Outcome.DONE)
             return result
+
+    def _release(self, recovery: Recovery[R]) -> None:
+        # Not retried: only the reset that follows moves this worker to a new round, and a
+        # release that fails every time would otherwise be classified, fail, and loop.
+        try:
+            recovery.before_rejoin()
+        except Exception as err:
+            log.warning("Rank %d: releasing the interrupted attempt raised %s; re-joining anyway.",
+                        self._worker.assignment.rank, _first_line(err))
 
 
 def _first_line(err: BaseException) -> str:

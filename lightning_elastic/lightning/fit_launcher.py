@@ -54,15 +54,18 @@ class _FitRecovery:
         self._fit_impl = fit_impl
         self._arguments = arguments
         self._user_ckpt_path = arguments.get("ckpt_path")
+        self._fitted = False  # has a fit attempt started (and left a trainer to tear down)?
 
     def before_rejoin(self) -> None:
-        compat.prepare_to_fit_again(self._trainer)
+        if self._fitted:
+            compat.prepare_to_fit_again(self._trainer)
 
     def prepare(self, resumed: bool) -> None:
         resume = self._strategy.agree_on_restore(self._trainer)
         self._arguments["ckpt_path"] = COMMIT_MARKER if resume else self._user_ckpt_path
 
     def attempt(self) -> None:
+        self._fitted = True
         self._fit_impl(**self._arguments)
 
     def keep_live_state(self) -> None:

@@ -104,7 +104,7 @@ def test_a_lost_peer_restores_the_commit_then_rejoins():
     assert m.asked == [("RuntimeError: Connection closed by peer", False)]
 
 
-@pytest.mark.parametrize("step", ["prepare(resumed)", "reset", "before_rejoin"])
+@pytest.mark.parametrize("step", ["prepare(resumed)", "reset"])
 def test_a_peer_lost_during_recovery_starts_another_recovery(step):
     # A preemption wave: a second peer dies while the group re-forms after the first.
     m = FakeMember()
@@ -182,3 +182,12 @@ def test_collective_errors_are_known_by_type(err, collective):
 def test_describe_error_is_the_last_traceback_line_bounded():
     assert describe_error(ValueError("a\nb")) == "ValueError: a\nb"
     assert len(describe_error(ValueError("x" * 2000))) == 500
+
+
+def test_a_failing_release_does_not_stop_the_worker_from_rejoining():
+    # Failing every time, it would otherwise keep the worker in its broken round for ever.
+    m = FakeMember()
+    run(m, {"attempt": [RuntimeError("peer lost")], "before_rejoin": [RuntimeError("teardown failed")] * 3})
+    assert m.log == ["prepare(first)", "attempt", "classify", "restore", "before_rejoin", "reset",
+                     "prepare(resumed)", "attempt"]
+    assert m.reports == [(p.Outcome.DONE, "")]
