@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
 import pytest
 
@@ -44,54 +45,59 @@ def driver_saw(job: Job, text: str, timeout: float = 60) -> None:
 # ----- a second fault during the recovery from a first ----------------------------------
 
 
-def test_second_worker_killed_while_the_first_recovery_re_forms(job: Job) -> None:
+def kill_two(job: Job, *example_args: str, second_when: Callable[[int], object], what: str,
+             interval: float = 0.05, start_timeout: float = 90) -> tuple[int, int]:
+    """Four workers; SIGKILL 127.0.0.2's, then 127.0.0.3's once ``second_when(its pid)`` holds."""
     job.set_hosts(H1, H2, H3, H4)
-    job.start(discovery_args(job, "-np", "4", "--min-np", "1"), [*STEADY, "--epochs", "3"])
-    job.wait_steps(5)
+    job.start(discovery_args(job, "-np", "4", "--min-np", "1"), [*STEADY, "--epochs", "3", *example_args])
+    job.wait_steps(5, timeout=start_timeout)
     first, second = job.worker_pid("127.0.0.2"), job.worker_pid("127.0.0.3")
     os.kill(first, signal.SIGKILL)
-    driver_saw(job, "was killed by SIGKILL")  # the survivors are re-forming right now
+    wait_for(lambda: second_when(second), 60, what, interval)
     os.kill(second, signal.SIGKILL)
     assert job.wait() == 0, job.stderr()[-3000:]
-    assert job.world_sizes()[0] == 4 and job.world_sizes()[-1] == 2
-    assert "Blacklisted host 127.0.0.2" in job.stderr() and "Blacklisted host 127.0.0.3" in job.stderr()
+    return first, second
+
+
+def assert_recovered_without(job: Job, first: int, second: int) -> None:
     assert_no_restart(job, {first, second})
     assert_epochs_complete(job, 3)
     assert_replicas_identical(job)
+
+
+def reset_seen(job: Job, pid: int) -> bool:
+    return any(e["pid"] == pid for e in job.events("reset"))
+
+
+def synced_in_round_2(job: Job, pid: int) -> bool:
+    return any(e["pid"] == pid and e["round"] == 2 for e in job.events("synced"))
+
+
+def test_second_worker_killed_while_the_first_recovery_re_forms(job: Job) -> None:
+    # As soon as the driver has reaped the first, the survivors are re-forming.
+    first, second = kill_two(job, second_when=lambda _: "was killed by SIGKILL" in job.stderr(),
+                             what="the driver to reap the first victim")
+    assert job.world_sizes()[0] == 4 and job.world_sizes()[-1] == 2
+    assert "Blacklisted host 127.0.0.2" in job.stderr() and "Blacklisted host 127.0.0.3" in job.stderr()
+    assert_recovered_without(job, first, second)
 
 
 def test_second_worker_killed_inside_its_reset_callback(job: Job) -> None:
-    job.set_hosts(H1, H2, H3, H4)
-    job.start(discovery_args(job, "-np", "4", "--min-np", "1"), [*STEADY, "--epochs", "3", "--reset-delay", "2"])
-    job.wait_steps(5)
-    first, second = job.worker_pid("127.0.0.2"), job.worker_pid("127.0.0.3")
-    os.kill(first, signal.SIGKILL)
-    wait_for(lambda: any(e["pid"] == second for e in job.events("reset")), 60, "the reset callback on 127.0.0.3")
-    os.kill(second, signal.SIGKILL)  # the callback sleeps 2 s: it is inside it
-    assert job.wait() == 0, job.stderr()[-3000:]
+    # The callback sleeps 2 s: the kill lands inside it.
+    first, second = kill_two(job, "--reset-delay", "2", second_when=lambda pid: reset_seen(job, pid),
+                             what="the reset callback on 127.0.0.3")
     assert job.world_sizes() == [4, 3, 2]
-    assert not any(e["pid"] == second and e["round"] == 2 for e in job.events("synced"))
-    assert_no_restart(job, {first, second})
-    assert_epochs_complete(job, 3)
-    assert_replicas_identical(job)
+    assert not synced_in_round_2(job, second)
+    assert_recovered_without(job, first, second)
 
 
 def test_second_worker_killed_during_the_state_broadcast(job: Job) -> None:
-    # 96 MB of extra state: the broadcast after the first reset takes a while.
-    job.set_hosts(H1, H2, H3, H4)
-    job.start(discovery_args(job, "-np", "4", "--min-np", "1"), [*STEADY, "--epochs", "3", "--ballast-mb", "96"])
-    job.wait_steps(5, timeout=120)
-    first, second = job.worker_pid("127.0.0.2"), job.worker_pid("127.0.0.3")
-    os.kill(first, signal.SIGKILL)
-    # The reset callback runs right before the broadcast.
-    wait_for(lambda: any(e["pid"] == second for e in job.events("reset")), 60, "the reset on 127.0.0.3", 0.01)
-    os.kill(second, signal.SIGKILL)
-    assert job.wait() == 0, job.stderr()[-3000:]
+    # 96 MB of extra state: the broadcast, right after the reset callback, takes a while.
+    first, second = kill_two(job, "--ballast-mb", "96", second_when=lambda pid: reset_seen(job, pid),
+                             what="the reset on 127.0.0.3", interval=0.01, start_timeout=120)
     assert job.world_sizes() == [4, 3, 2]
-    assert not any(e["pid"] == second and e["round"] == 2 for e in job.events("synced")), "it finished the broadcast"
-    assert_no_restart(job, {first, second})
-    assert_epochs_complete(job, 3)
-    assert_replicas_identical(job)
+    assert not synced_in_round_2(job, second), "it finished the broadcast"
+    assert_recovered_without(job, first, second)
 
 
 # ----- preemption ------------------------------------------------------------------------
