@@ -158,15 +158,19 @@ class Job:
 
     def stray_processes(self) -> list[psutil.Process]:
         """Processes still running this job's command (identified by its events directory)."""
-        marker = str(self.events_dir)
-        stray = []
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if marker in " ".join(proc.info["cmdline"] or ()) and proc.pid != os.getpid():
-                    stray.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return stray
+        return processes_running(str(self.events_dir))
+
+
+def processes_running(marker: str) -> list[psutil.Process]:
+    """Processes other than this one whose command line contains ``marker``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(proc.info["cmdline"] or ()) and proc.pid != os.getpid():
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 def assert_epochs_complete(job: Job, epochs: int) -> None:

@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-import psutil
 import pytest
 
-from tests.integration.harness import LAUNCHER, wait_for
+from tests.integration.harness import LAUNCHER, processes_running, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -45,18 +44,6 @@ WORKER = textwrap.dedent(f"""
 """)
 
 
-def job_processes(marker: str) -> list[psutil.Process]:
-    """Processes still running the worker script (its path is on their command line)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if marker in " ".join(proc.info["cmdline"] or ()) and proc.pid != os.getpid():
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
 def read_lines(fd: int, count: int, timeout: float) -> list[bytes]:
     """The first ``count`` lines from ``fd`` (fewer at EOF); fails after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -75,10 +62,10 @@ def read_lines(fd: int, count: int, timeout: float) -> list[bytes]:
 def kill_leftovers(marker: str) -> list[int]:
     """Pids of workers still running after a bounded wait for exits in flight; killed."""
     try:
-        wait_for(lambda: not job_processes(marker), 15, "the workers to exit")
+        wait_for(lambda: not processes_running(marker), 15, "the workers to exit")
         return []
     except AssertionError:
-        stray = job_processes(marker)
+        stray = processes_running(marker)
         for proc in stray:
             proc.kill()
         return [proc.pid for proc in stray]
