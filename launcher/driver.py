@@ -39,7 +39,7 @@ from launcher.processes.base import HostRouter, WorkerLauncher, WorkerProcess, W
 from launcher.processes.local import LocalLauncher
 from launcher.processes.output import OutputSink
 from launcher.processes.ssh import SshLauncher
-from launcher.registry import Registry, WorkerRecord, WorkerState
+from launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
 from launcher.rendezvous_server import RendezvousServer
 from lightning_elastic import protocol as p
 
@@ -319,7 +319,7 @@ class Driver:
             record.exit_status = status
             self._stopping.pop(record.worker_id, None)
             in_round = reg.current_member(record)
-            outcome = record.report.outcome if record.report else None
+            outcome = outcome_of(record)
             finishing = self._finishing()
             if outcome == p.Outcome.DONE and status == 0:
                 record.state = WorkerState.DONE
@@ -366,13 +366,13 @@ class Driver:
             how = describe_status(status)
         if record.reported_done and status != 0:
             how += " after training returned"
-        elif record.report and record.report.outcome == p.Outcome.REMOVED:
+        elif outcome_of(record) == p.Outcome.REMOVED:
             how += " after leaving the job"
         if record.departing:
             how += f" before it could leave on {record.departing}"
         if record.worker_id in self._kill_reasons:
             how += f": {self._kill_reasons[record.worker_id]}"
-        if record.report and record.report.outcome == p.Outcome.FAILED and record.report.message:
+        if outcome_of(record) == p.Outcome.FAILED and record.report.message:  # type: ignore[union-attr]
             how += f" after raising {record.report.message}"
         text = f"worker {record.worker_id} {how}"
         self._failure_of[record.worker_id] = text
