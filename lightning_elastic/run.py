@@ -23,12 +23,11 @@ class _StateRecovery:
         pass
 
     def prepare(self, resumed: bool) -> None:
-        # Before the first call and after every reset, every rank takes rank 0's state and
-        # commits it, so a failure during the next attempt comes back to the same point.
+        # Before the first call and after every reset, every rank takes rank 0's state as its
+        # live state and its commit, so a failure during the next attempt comes back here.
         if resumed:
             self._state.on_reset()
         self._state.sync()
-        self._state.save()
 
     def attempt(self) -> R:
         return self._call()

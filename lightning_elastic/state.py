@@ -1,8 +1,10 @@
 """Training state that survives resets: committed in host memory, synced from rank 0.
 
-``commit()`` copies the state into host memory and checks for host changes. After a
-failure ``@run`` restores the last commit; after an announced host change it keeps the live
-state. Either way, after the new round is formed every rank takes rank 0's state.
+``commit()`` copies the state into host memory (``lightning_elastic.snapshot``: buffers
+allocated once, never a torn commit) and checks for host changes. After a failure ``@run``
+restores the last commit; after an announced host change it keeps the live state. Either
+way, after the new round is formed every rank takes rank 0's state
+(``lightning_elastic.transfer``: tensors sent in place, in chunks, never pickled).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_elastic import transfer
+from lightning_elastic.snapshot import HostSnapshot, join
 from lightning_elastic.worker import ElasticWorker
 
 
@@ -84,6 +88,7 @@ class State:
         raise NotImplementedError
 
     def sync(self) -> None:
+        """Make rank 0's live state every rank's live state and commit."""
         raise NotImplementedError
 
 
@@ -95,8 +100,10 @@ class ObjectState(State):
         object.__setattr__(self, "_names", list(values))
         for name, value in values.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "_saved", {})
-        ObjectState.save(self)
+        object.__setattr__(self, "_snapshot", HostSnapshot())
+        # The constructor's plain values are the first commit; objects with a state_dict are
+        # committed from the first save on (a joiner's fresh model would only cost memory).
+        self._snapshot.capture(self._tree(with_stateful=False))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not name.startswith("_") and name not in self._names:
@@ -106,16 +113,37 @@ class ObjectState(State):
     def _plain_values(self) -> dict[str, Any]:
         return {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))}
 
+    def _tree(self, with_stateful: bool = True) -> dict[str, Any]:
+        return {"values": self._plain_values()}
+
+    def _load(self, committed: Any) -> None:
+        for name, value in join(committed.skeleton["values"], committed.tensors, clone=True).items():
+            object.__setattr__(self, name, value)
+
     def save(self) -> None:
-        object.__setattr__(self, "_saved", to_host(self._plain_values()))
+        self._snapshot.capture(self._tree())
 
     def restore(self) -> None:
-        for name, value in copy.deepcopy(self._saved).items():
-            object.__setattr__(self, name, value)
+        committed = self._snapshot.committed()
+        if committed is not None:
+            self._load(committed)
 
     def sync(self) -> None:
-        for name, value in broadcast_object(self._plain_values(), self.worker).items():
-            object.__setattr__(self, name, value)
+        worker = self.worker
+        a = worker.assignment
+        if a.rank == 0:
+            self.save()
+        if a.size == 1:
+            return
+        committed = transfer.broadcast_commit(self._snapshot, a.rank, a.size, 0, worker.device)
+        if a.rank != 0:
+            self._load(committed)
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of tensors in the last commit (host memory holds up to twice that)."""
+        committed = self._snapshot.committed()
+        return committed.nbytes if committed is not None else 0
 
 
 def _is_stateful(value: Any) -> bool:
@@ -133,39 +161,21 @@ class TorchState(ObjectState):
         self, model: Any = None, optimizer: Any = None, worker: ElasticWorker | None = None, **values: Any
     ) -> None:
         named = {k: v for k, v in (("model", model), ("optimizer", optimizer)) if v is not None}
-        object.__setattr__(self, "_saved_stateful", {})
         super().__init__(worker, **named, **values)
 
     def _stateful(self) -> dict[str, Any]:
         return {n: getattr(self, n) for n in self._names if _is_stateful(getattr(self, n))}
 
-    def save(self) -> None:
-        super().save()
-        object.__setattr__(self, "_saved_stateful", {n: to_host(v.state_dict()) for n, v in self._stateful().items()})
+    def _tree(self, with_stateful: bool = True) -> dict[str, Any]:
+        stateful = {n: v.state_dict() for n, v in self._stateful().items()} if with_stateful else {}
+        return {"values": self._plain_values(), "stateful": stateful}
 
-    def restore(self) -> None:
-        super().restore()
+    def _load(self, committed: Any) -> None:
+        super()._load(committed)
+        saved = committed.skeleton.get("stateful", {})
         for name, obj in self._stateful().items():
-            if name in self._saved_stateful:
-                saved = self._saved_stateful[name]
-                # An optimizer adopts the tensors it is given: its next step would overwrite
-                # the commit in place. A module copies into its own parameters.
-                obj.load_state_dict(saved if isinstance(obj, torch.nn.Module) else copy.deepcopy(saved))
-
-    def sync(self) -> None:
-        worker = self.worker
-        for name, obj in self._stateful().items():
-            if isinstance(obj, torch.nn.Module):
-                broadcast_module(obj, worker)
-            else:
-                obj.load_state_dict(broadcast_object(obj.state_dict(), worker))
-        super().sync()
-
-
-def broadcast_module(module: torch.nn.Module, worker: ElasticWorker) -> None:
-    """Rank 0's parameters and buffers, in place, one collective per tensor, on its device."""
-    if worker.assignment.size == 1:
-        return
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor.data, src=0)
+            if name in saved:
+                # A module copies into its own parameters; an optimizer adopts the tensors it
+                # is given (its next step would overwrite the commit in place): it gets copies.
+                clone = not isinstance(obj, torch.nn.Module)
+                obj.load_state_dict(join(saved[name], committed.tensors, clone=clone))

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,15 @@ def _read_secret(environ: os._Environ | dict[str, str]) -> str:
     return b"".join(chunks).decode()
 
 
+@dataclasses.dataclass(frozen=True)
+class _PendingCheck:
+    """A host check's all-reduce, started at one ``check_host_updates`` and read at the next."""
+
+    round: int
+    flag: torch.Tensor
+    work: Any
+
+
 class ElasticWorker:
     def __init__(
         self,
@@ -132,6 +142,7 @@ class ElasticWorker:
         self._collective_timeout = collective_timeout  # None: the launcher's --collective-timeout
         self._requested_backend = backend  # None: NCCL with CUDA, else gloo
         self._commits_in_round = 0
+        self._pending_check: _PendingCheck | None = None
         self._preemption: PreemptionHandler | None = None
         self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
         self._store: DriverStore | None = None
@@ -220,6 +231,7 @@ class ElasticWorker:
                 raise RendezvousError(f"no round was formed within {self.settings.elastic_timeout:g} s")
         self._assignment = reply.assignment
         self._commits_in_round = 0
+        self._pending_check = None  # the last round's, gone with its group
         self._publish_environment(reply.assignment)
         self._form_group()
 
@@ -290,20 +302,28 @@ class ElasticWorker:
         """Raise ``HostsUpdatedInterrupt`` on every rank at once if hosts changed.
 
         Each rank knows the newest generation its heartbeat saw; one MAX all-reduce makes
-        that knowledge common, so all ranks decide alike at this same step.
+        that knowledge common, so all ranks decide alike at the same call. The all-reduce
+        runs in the background between two calls: each call reads the one the previous
+        call started (done by then, so no wait) and starts the next, which keeps the
+        round trip off the training step. A change is seen one check later; every rank
+        still raises at the same call.
         """
         if self.settings is None:
             return
+        a = self.assignment
+        pending, self._pending_check = self._pending_check, None
+        if pending is not None and pending.round == a.round:
+            pending.work.wait()
+            newest = int(pending.flag.item())
+            if newest > a.generation:
+                raise HostsUpdatedInterrupt(
+                    f"hosts changed (generation {newest}, round {a.round} formed at {a.generation})"
+                )
         with self._lock:
             seen = self._seen_generation
         flag = torch.tensor([seen], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        newest = int(flag.item())
-        if newest > self.assignment.generation:
-            raise HostsUpdatedInterrupt(
-                f"hosts changed (generation {newest}, round {self.assignment.round} formed at "
-                f"{self.assignment.generation})"
-            )
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        self._pending_check = _PendingCheck(a.round, flag, work)
 
     def note_commit(self) -> None:
         """Count a commit: the driver tells a repeating error from one that makes progress."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
 from lightning_elastic.sampler import ElasticSampler
-from lightning_elastic.state import ObjectState, TorchState, broadcast_module, broadcast_object, to_host
+from lightning_elastic.state import ObjectState, TorchState, broadcast_object, to_host
 from tests.unit.fakes import FakeWorker, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -309,11 +309,51 @@ def test_broadcast_object_in_a_world_of_one_returns_the_value_itself():
     assert broadcast_object(value, FakeWorker()) is value
 
 
-def test_broadcast_module_in_a_world_of_one_needs_no_process_group():
-    assert not dist.is_initialized()
-    model, _ = make_training(seed=0)
+def test_commits_reuse_two_sets_of_host_buffers():
+    model, optimizer = make_training(seed=0)
+    state = TorchState(model, optimizer, worker=FakeWorker())
+    pointers = []
+    for _ in range(4):
+        train_step(model, optimizer)
+        state.save()
+        pointers.append(tuple(t.data_ptr() for t in state._snapshot.committed().tensors))
+    assert pointers[0] != pointers[1]  # the spare set is written while the last commit stays
+    assert (pointers[2], pointers[3]) == (pointers[0], pointers[1])
+    assert state.committed_bytes == sum(
+        t.numel() * t.element_size() for t in list(model.state_dict().values()) + momentum(optimizer)
+    )
+
+
+def test_a_commit_that_fails_part_way_leaves_the_previous_commit_whole(monkeypatch):
+    model, optimizer = make_training(seed=0)
+    state = TorchState(model, optimizer, worker=FakeWorker(), epoch=1)
+    state.save()
+    weights, buffers = tensors_of(model.state_dict()), momentum(optimizer)
+    train_step(model, optimizer)
+    state.epoch = 2
+    copies = 0
+    real_copy = torch.Tensor.copy_
+
+    def copy_then_fail(self: torch.Tensor, source: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal copies
+        copies += 1
+        if copies == 3:
+            raise RuntimeError("injected: the copy failed part-way")
+        return real_copy(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_then_fail)
+    with pytest.raises(RuntimeError, match="part-way"):
+        state.save()
+    monkeypatch.undo()
+    state.restore()
+    assert_same_tensors(tensors_of(model.state_dict()), weights)
+    assert [torch.equal(a, b) for a, b in zip(momentum(optimizer), buffers)] == [True] * 4
+    assert state.epoch == 1
+    train_step(model, optimizer)
+    state.save()  # the half-written buffers are reused and the commit is whole again
     weights = tensors_of(model.state_dict())
-    broadcast_module(model, FakeWorker())
+    train_step(model, optimizer)
+    state.restore()
     assert_same_tensors(tensors_of(model.state_dict()), weights)
 
 
@@ -365,7 +405,7 @@ def torch_state_snapshot(state: TorchState) -> dict[str, Any]:
     }
 
 
-def torch_state_sync(rank: int, worker: FakeWorker) -> tuple[dict[str, Any], dict[str, Any]]:
+def torch_state_sync(rank: int, worker: FakeWorker) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     torch.manual_seed(rank)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     model(torch.randn(4, 3))  # BatchNorm's running statistics (buffers) differ per rank too
@@ -374,14 +414,49 @@ def torch_state_sync(rank: int, worker: FakeWorker) -> tuple[dict[str, Any], dic
     state = TorchState(model, worker=worker, epoch=rank, stats=stats, sampler=sampler_at(2 * rank, rank, worker))
     before = torch_state_snapshot(state)
     state.sync()
-    return before, torch_state_snapshot(state)
+    after = torch_state_snapshot(state)
+    # The sync is every rank's commit too: training on, then restoring, comes back to it.
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    stats.mean.add_(5.0)  # in place: the restored value must not share memory with the commit
+    state.epoch = 99
+    state.restore()
+    return before, after, torch_state_snapshot(state)
 
 
-def test_torch_state_sync_gives_every_rank_the_parameters_and_state_of_rank_0():
+def test_torch_state_sync_gives_every_rank_the_parameters_and_state_of_rank_0_and_commits_it():
     results = run_ranks(2, torch_state_sync)
-    befores = [before for before, _ in results]
+    befores = [before for before, _, _ in results]
     assert befores[1]["model"] != befores[0]["model"]  # the ranks really started apart
     assert befores[0]["mean"] == ([0.0, 0.0], 1) and befores[1]["mean"] == ([1.0, 1.0], 2)
     assert befores[0]["sampler"] == {"epoch": 0, "consumed": 0}
-    for _, after in results:
+    for _, after, restored in results:
         assert after == befores[0]
+        assert restored == befores[0]
+
+
+class FreshOptimizerState:
+    """Like an optimizer before its first step on a joiner: no tensor state at all yet."""
+
+    def __init__(self, rank: int) -> None:
+        self.state: dict[str, Any] = {"momentum": torch.full((1000,), 3.0)} if rank == 0 else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state["state"]
+
+
+def joiner_sync(rank: int, worker: FakeWorker) -> tuple[list[float], int]:
+    optimizer = FreshOptimizerState(rank)
+    state = TorchState(optimizer=optimizer, worker=worker)
+    state.sync()
+    optimizer.state["momentum"].add_(1.0)  # an optimizer step: the commit must not change
+    state.restore()
+    return optimizer.state["momentum"][:3].tolist(), state.committed_bytes
+
+
+def test_a_joiner_without_tensor_state_receives_rank_0s_state_and_commit():
+    results = run_ranks(2, joiner_sync)
+    assert results == [([3.0, 3.0, 3.0], 4000)] * 2
