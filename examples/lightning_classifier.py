@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.strategy == "elastic_hvd":
         import lightning_elastic as le
 
-        callbacks.insert(0, le.ElasticCallback(commit_every_n_batches=args.commit_every))
+        callbacks.insert(0, le.ElasticCallback(commit_every_n_steps=args.commit_every))
     trainer = pl.Trainer(
         strategy=args.strategy,
         devices=args.devices if args.strategy != "elastic_hvd" else "auto",

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # Leaves that need no copy: nobody can change them in place.
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size, range)
+# The same as a set of exact types, for the common case checked first (a commit visits
+# every leaf of a state: Lightning's loop progress alone has over a hundred).
+_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,8 @@ def split(tree: Any) -> tuple[Any, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
 
     def visit(value: Any) -> Any:
+        if type(value) in _SCALARS:
+            return value
         if isinstance(value, torch.Tensor):
             if _bufferable(value):
                 tensors.append(value.detach())
@@ -77,6 +82,8 @@ def join(skeleton: Any, tensors: Sequence[torch.Tensor], clone: bool) -> Any:
     """The tree again, with ``tensors`` in their slots (cloned if ``clone``), the rest copied."""
 
     def visit(value: Any) -> Any:
+        if type(value) in _SCALARS:
+            return value
         if isinstance(value, TensorSlot):
             tensor = tensors[value.index]
             return tensor.clone() if clone else tensor
@@ -100,6 +107,8 @@ def _rebuild(value: Any, visit: Any) -> Any:
     if kind is list:
         return [visit(v) for v in value]
     if kind is tuple:
+        if all(type(v) in _SCALARS for v in value):
+            return value  # immutable all the way down (an RNG state: 625 ints)
         return tuple(visit(v) for v in value)
     if isinstance(value, _IMMUTABLE):
         return value
@@ -227,7 +236,8 @@ class Committed:
 class HostSnapshot:
     """The last complete commit of a tree, in host buffers that are reused (see the module doc).
 
-    ``meta`` is small Python data kept with a commit (a step number, a world size).
+    ``meta`` is small Python data kept with a commit (a step number, a world size), kept as
+    given: it must not be changed afterwards (a frozen dataclass, fresh values).
     """
 
     def __init__(self, copier: Copier | None = None) -> None:
@@ -264,7 +274,7 @@ class HostSnapshot:
         except BaseException:
             self._spare = buffers  # half written, but still good for the next attempt
             raise
-        commit = _Commit(skeleton, copy.deepcopy(meta), specs, buffers)
+        commit = _Commit(skeleton, meta, specs, buffers)
         if pending is None:
             self._promote(commit)
         else:

@@ -11,6 +11,7 @@ every rank of the new world once the state is restored, before training resumes:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,37 +25,58 @@ _SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
 
 
 class ElasticCallback(Callback):
-    """Commit the training state every ``commit_every_n_batches`` batches, check for host
-    changes every ``check_every_n_batches`` (both at a batch end, on every rank alike).
+    """Commit the training state every ``commit_every_n_steps`` training steps and check for
+    host changes every ``check_every_n_steps`` (both at a batch end, on every rank alike).
 
-    A check that finds a change commits the live state first, so the new world resumes
-    exactly where the old one stopped. With gradient accumulation, commits and checks wait
-    for the batch that steps the optimizer. When a trainer has several ``ElasticCallback``
-    instances, the first one of exactly this class (else the first subclass) does the
-    committing; the others only receive ``on_elastic_reset``.
+    Steps are optimizer steps counted across epochs (``trainer.global_step``), as
+    ``ModelCheckpoint(every_n_train_steps=...)`` counts them: with gradient accumulation only
+    the batch that steps the optimizer can commit or check, and a commit every 10 steps
+    lands on steps 10, 20, 30, ... whatever the number of batches per epoch. A check that
+    finds a change commits the live state first, so the new world resumes exactly where
+    the old one stopped. When a trainer has several ``ElasticCallback`` instances, the first
+    one of exactly this class (else the first subclass) does the committing; the others only
+    receive ``on_elastic_reset``.
     """
 
-    def __init__(self, commit_every_n_batches: int = 1, check_every_n_batches: int = 1) -> None:
-        for name, value in (("commit_every_n_batches", commit_every_n_batches),
-                            ("check_every_n_batches", check_every_n_batches)):
+    def __init__(
+        self,
+        commit_every_n_steps: int = 1,
+        check_every_n_steps: int = 1,
+        *,
+        commit_every_n_batches: int | None = None,
+        check_every_n_batches: int | None = None,
+    ) -> None:
+        commit_every_n_steps = _renamed("commit_every_n_batches", commit_every_n_batches, commit_every_n_steps)
+        check_every_n_steps = _renamed("check_every_n_batches", check_every_n_batches, check_every_n_steps)
+        for name, value in (("commit_every_n_steps", commit_every_n_steps),
+                            ("check_every_n_steps", check_every_n_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ElasticCallback: {name} must be a positive integer, got {value!r}")
-        self.commit_every_n_batches = commit_every_n_batches
-        self.check_every_n_batches = check_every_n_batches
+        self.commit_every_n_steps = commit_every_n_steps
+        self.check_every_n_steps = check_every_n_steps
+        self._last_step = 0  # the global step at the last batch end seen
+        self._world_size_shown = False
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(
-            commit_every_n_batches=self.commit_every_n_batches, check_every_n_batches=self.check_every_n_batches
+            commit_every_n_steps=self.commit_every_n_steps, check_every_n_steps=self.check_every_n_steps
         )
 
     def _is_committer(self, trainer: pl.Trainer) -> bool:
         return _committer(trainer) is self
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step  # a resumed fit starts at the commit's step
+        self._world_size_shown = False
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._is_committer(trainer):
-            # Shown in the progress bar (rank 0); not sent to loggers.
+        if not self._world_size_shown and self._is_committer(trainer):
+            # Shown in the progress bar (rank 0), not sent to loggers. Once per fit attempt
+            # (the world size changes only between attempts, and the bar keeps the value):
+            # a log call costs more than a small model's whole step.
             pl_module.log("world_size", float(trainer.world_size), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            self._world_size_shown = True
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -63,13 +85,19 @@ class ElasticCallback(Callback):
         if not hasattr(strategy, "take_commit") or not self._is_committer(trainer):
             return
         strategy.record_batch(batch_idx)
-        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0 and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            return  # mid-accumulation: gradients not yet applied are not part of any state
+        last, step = self._last_step, trainer.global_step
+        self._last_step = step
+        if step <= last:
+            # Equal: no optimizer step in this batch (accumulating), nothing to commit yet.
+            # Lower: a resumed fit whose on_train_start a subclass did not pass on.
+            return
+        # "Crossed a multiple" rather than "is a multiple": several optimizers (manual
+        # optimization) may advance the step by more than one per batch.
         committed = False
-        if (batch_idx + 1) % self.commit_every_n_batches == 0:
+        if step // self.commit_every_n_steps > last // self.commit_every_n_steps:
             strategy.take_commit(trainer)
             committed = True
-        if (batch_idx + 1) % self.check_every_n_batches == 0:
+        if step // self.check_every_n_steps > last // self.check_every_n_steps:
             try:
                 strategy.worker.check_host_updates()
             except HostsUpdatedInterrupt:
@@ -111,6 +139,7 @@ class ScaleLearningRate(ElasticCallback):
         self._started = bool(state_dict.get("started", False))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         if self._started:
             return  # resumed: the committed LRs already carry the scaling; resets rescale them
         self._started = True
@@ -137,6 +166,16 @@ def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
             values = getattr(scheduler, attribute, None)
             if isinstance(values, list) and all(isinstance(v, (int, float)) for v in values):
                 setattr(scheduler, attribute, [v * factor for v in values])
+
+
+def _renamed(old_name: str, old_value: int | None, value: int) -> int:
+    if old_value is None:
+        return value
+    warnings.warn(
+        f"ElasticCallback: {old_name} is deprecated, use {old_name.replace('batches', 'steps')} "
+        "(it counts training steps across epochs)", DeprecationWarning, stacklevel=3,
+    )
+    return old_value
 
 
 def _committer(trainer: pl.Trainer) -> ElasticCallback | None:

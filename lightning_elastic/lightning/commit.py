@@ -1,14 +1,15 @@
 """The in-memory commit of a Lightning run, and how a new world agrees on one.
 
-A commit is Lightning's full checkpoint dict (model, optimizers, LR schedulers, loops with
-mid-epoch progress, callbacks) copied into host memory, plus what Lightning's checkpoint
-leaves out and an elastic restart needs: RNG states, the elastic sampler's position and the
-world size it was taken at.
+A commit is a checkpoint dict as Lightning loads it (model, optimizers, LR schedulers,
+loops with mid-epoch progress, callbacks) copied into host buffers that are reused
+(``lightning_elastic.snapshot``), plus what Lightning's checkpoint leaves out and an elastic
+restart needs: RNG states, the elastic sampler's position and the world size it was taken
+at. A new world agrees on the newest commit and its source rank sends it to every rank
+tensor by tensor (``lightning_elastic.transfer``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -17,13 +18,15 @@ import torch.distributed as dist
 
 from lightning_elastic.lightning import compat
 from lightning_elastic.sampler import epoch_batches_done
-from lightning_elastic.state import broadcast_object, to_host
+from lightning_elastic.snapshot import Committed, HostSnapshot, join
+from lightning_elastic.state import broadcast_object
+from lightning_elastic.transfer import broadcast_commit
 from lightning_elastic.worker import ElasticWorker
 
 # The ``ckpt_path`` the fit launcher passes to Lightning to mean "the agreed commit".
 COMMIT_MARKER = "lightning-elastic:in-memory-commit"
-# Where our additions live inside the checkpoint dict.
-EXTRA_KEY = "lightning_elastic"
+# Where Lightning's checkpoint keeps the model's weights.
+MODEL_KEY = "state_dict"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,28 +40,26 @@ class SamplerPosition:
 
 
 @dataclasses.dataclass(frozen=True)
-class Commit:
-    checkpoint: dict[str, Any]  # host-memory copy, never handed to Lightning directly
+class CommitInfo:
+    """What is known of a commit without reading its tensors."""
+
     world_size: int
     global_step: int
-
-    @property
-    def sampler(self) -> SamplerPosition | None:
-        raw = self.checkpoint[EXTRA_KEY].get("sampler")
-        return SamplerPosition(**raw) if raw else None
+    sampler: SamplerPosition | None
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # fresh objects, never changed
 
 
 def take_commit(
-    checkpoint: dict[str, Any], world_size: int, global_step: int, sampler: SamplerPosition | None
-) -> Commit:
-    """Copy a live checkpoint dict into host memory, with RNG states and sampler position."""
-    host = to_host(checkpoint)
-    host[EXTRA_KEY] = {
-        "world_size": world_size,
-        "rng": to_host(compat.collect_rng_states()),
-        "sampler": dataclasses.asdict(sampler) if sampler else None,
-    }
-    return Commit(host, world_size, global_step)
+    snapshot: HostSnapshot, checkpoint: dict[str, Any], world_size: int, global_step: int,
+    sampler: SamplerPosition | None,
+) -> None:
+    """Commit a live checkpoint dict, with the RNG states, into ``snapshot``'s host buffers."""
+    snapshot.capture(checkpoint, CommitInfo(world_size, global_step, sampler, compat.collect_rng_states()))
+
+
+def commit_info(snapshot: HostSnapshot) -> CommitInfo | None:
+    committed = snapshot.committed()
+    return None if committed is None else committed.meta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +70,15 @@ class RestorePlan:
     logger_versions: list[Any]
 
 
-def agree_on_restore(worker: ElasticWorker, commit: Commit | None, logger_versions: list[Any]) -> RestorePlan:
+def agree_on_restore(worker: ElasticWorker, snapshot: HostSnapshot, logger_versions: list[Any]) -> RestorePlan:
     """Pick the newest commit in the world (lowest rank on ties) and share the logger versions.
 
     Every survivor holds a commit of the same step, except when a peer died between two
     ranks taking theirs; taking the newest one then loses nothing. Joiners hold none.
     """
     size = worker.assignment.size
-    step = torch.tensor([commit.global_step if commit else -1], dtype=torch.int64, device=worker.device)
+    info = commit_info(snapshot)
+    step = torch.tensor([info.global_step if info else -1], dtype=torch.int64, device=worker.device)
     if size > 1:
         steps = [torch.zeros_like(step) for _ in range(size)]
         dist.all_gather(steps, step)
@@ -89,26 +91,28 @@ def agree_on_restore(worker: ElasticWorker, commit: Commit | None, logger_versio
     return RestorePlan(source, versions)
 
 
-def receive_commit(worker: ElasticWorker, commit: Commit | None, source_rank: int) -> Commit:
-    """The source rank's commit on every rank (joiners get everything from here)."""
-    payload = commit.checkpoint if worker.assignment.rank == source_rank and commit else None
-    checkpoint = broadcast_object(payload, worker, src=source_rank)
-    extra = checkpoint[EXTRA_KEY]
-    step = checkpoint.get("global_step", 0)
-    return Commit(checkpoint, int(extra["world_size"]), int(step))
+def receive_commit(worker: ElasticWorker, snapshot: HostSnapshot, source_rank: int) -> Committed:
+    """The source rank's commit in every rank's ``snapshot`` (joiners get everything from here)."""
+    a = worker.assignment
+    return broadcast_commit(snapshot, a.rank, a.size, source_rank, worker.device)
 
 
-def checkpoint_for_lightning(commit: Commit, world_size: int) -> dict[str, Any]:
-    """A copy of the commit for Lightning to load, its epoch progress rescaled to ``world_size``.
+def checkpoint_for_lightning(committed: Committed, world_size: int) -> dict[str, Any]:
+    """The commit as a checkpoint dict for Lightning to load, its epoch progress rescaled to ``world_size``.
+
+    Model weights are handed out as the commit's own buffers: loading copies them into the
+    parameters. Everything else is a copy (an optimizer keeps the tensors it is given).
 
     The loops count batches of the current epoch at the world size they ran at; the sampler
     counts samples. After a world size change the batch count is re-expressed at the new
     world size so the epoch ends when its samples are used up, no sooner and no later.
     """
-    checkpoint = copy.deepcopy(commit.checkpoint)
-    extra = checkpoint.pop(EXTRA_KEY)
-    compat.set_rng_states(extra["rng"])
-    position = commit.sampler
+    checkpoint = {
+        key: join(part, committed.tensors, clone=key != MODEL_KEY) for key, part in committed.skeleton.items()
+    }
+    info: CommitInfo = committed.meta
+    compat.set_rng_states(info.rng)
+    position = info.sampler
     progress = compat.batch_progress(checkpoint)
     if position is not None and progress is not None:
         done_now = epoch_batches_done(position.dataset_size, position.consumed, world_size, position.batch_size)

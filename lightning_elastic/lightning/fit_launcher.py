@@ -43,7 +43,7 @@ class ElasticFitLauncher(compat.Launcher):
         ensure_elastic_callback(trainer)
         compat.route_sigterm(trainer, elastic=strategy.worker.handles_sigterm)
         RetryEngine(strategy.worker, _FitRecovery(strategy, trainer, function, arguments)).run()
-        strategy.commit = None  # a later fit of this trainer starts from its own state
+        strategy.forget_commit()
         return None
 
 

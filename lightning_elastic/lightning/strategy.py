@@ -26,16 +26,17 @@ from lightning_elastic import api
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.commit import (
     COMMIT_MARKER,
-    Commit,
     RestorePlan,
     SamplerPosition,
     agree_on_restore,
     checkpoint_for_lightning,
+    commit_info,
     receive_commit,
     take_commit,
 )
 from lightning_elastic.process_group import validate_backend, validate_timeout
 from lightning_elastic.sampler import ElasticSampler
+from lightning_elastic.snapshot import HostSnapshot
 from lightning_elastic.worker import ElasticWorker
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class ElasticStrategy(DDPStrategy):
         if worker is not None:
             worker.configure_collectives(self._collective_timeout, self._requested_backend)
         compat.ignore_mid_epoch_resume_warning()
-        self.commit: Commit | None = None
+        self.snapshot = HostSnapshot()  # the in-memory commit, kept across fit attempts
         self._restore: RestorePlan | None = None
         self._resumed_world_size: int | None = None  # set when a fit resumed from a commit
         self._sampler: ElasticSampler | None = None
@@ -178,15 +179,22 @@ class ElasticStrategy(DDPStrategy):
                 dataset_size=self._sampler.dataset_size,
                 batch_size=self._sampler.batch_size,
             )
-        self.commit = take_commit(
-            compat.dump_checkpoint(trainer), self.worker.assignment.size, trainer.global_step, position
-        )
+        take_commit(self.snapshot, compat.dump_checkpoint(trainer), self.worker.assignment.size,
+                    trainer.global_step, position)
         self.worker.note_commit()
+
+    @property
+    def has_commit(self) -> bool:
+        return commit_info(self.snapshot) is not None
+
+    def forget_commit(self) -> None:
+        """Drop the commit and its buffers (a later fit of this trainer starts from its own state)."""
+        self.snapshot.clear()
 
     def agree_on_restore(self, trainer: pl.Trainer) -> bool:
         """Collective, before every fit attempt: is there a commit to resume from?"""
         versions = [logger.version for logger in trainer.loggers] if self._is_source_candidate() else []
-        self._restore = agree_on_restore(self.worker, self.commit, versions)
+        self._restore = agree_on_restore(self.worker, self.snapshot, versions)
         for logger, version in zip(trainer.loggers, self._restore.logger_versions):
             compat.set_logger_version(logger, version)
         return self._restore.source_rank is not None
@@ -194,17 +202,16 @@ class ElasticStrategy(DDPStrategy):
     def _is_source_candidate(self) -> bool:
         # Only a rank that could be the source asks its loggers for a version: a version
         # asked of a logger that never logged would be a new one.
-        return self.commit is not None or self.worker.assignment.rank == 0
+        return self.has_commit or self.worker.assignment.rank == 0
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if checkpoint_path != COMMIT_MARKER:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self._restore is not None and self._restore.source_rank is not None
-        commit = receive_commit(self.worker, self.commit, self._restore.source_rank)
-        self.commit = commit  # joiners now hold the same commit as everyone else
-        self._resumed_world_size = commit.world_size
-        self._pending_sampler = commit.sampler
-        return checkpoint_for_lightning(commit, self.worker.assignment.size)
+        committed = receive_commit(self.worker, self.snapshot, self._restore.source_rank)
+        self._resumed_world_size = committed.meta.world_size
+        self._pending_sampler = committed.meta.sampler
+        return checkpoint_for_lightning(committed, self.worker.assignment.size)
 
     # ----- data -----------------------------------------------------------------------
 
@@ -257,7 +264,7 @@ class ElasticStrategy(DDPStrategy):
         resumed_from, self._resumed_world_size = self._resumed_world_size, None
         if resumed_from is not None:
             _call_reset_hooks(trainer, resumed_from, self.worker.assignment.size)
-        if self.commit is None:
+        if not self.has_commit:
             # A failure before the first regular commit must have something to go back to.
             self.take_commit(trainer)
 

@@ -19,8 +19,7 @@ import torch
 
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.commit import (
-    EXTRA_KEY,
-    Commit,
+    CommitInfo,
     RestorePlan,
     SamplerPosition,
     agree_on_restore,
@@ -28,6 +27,7 @@ from lightning_elastic.lightning.commit import (
     receive_commit,
     take_commit,
 )
+from lightning_elastic.snapshot import Committed, HostSnapshot
 from lightning_elastic.sampler import epoch_batches_done
 from tests.unit.fakes import FakeWorker, run_ranks
 
@@ -69,38 +69,53 @@ def progress_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
 
 
+def commit_of(
+    checkpoint: dict[str, Any], world_size: int, global_step: int, sampler: SamplerPosition | None,
+    snapshot: HostSnapshot | None = None,
+) -> Committed:
+    snapshot = snapshot or HostSnapshot()
+    take_commit(snapshot, checkpoint, world_size, global_step, sampler)
+    committed = snapshot.committed()
+    assert committed is not None
+    return committed
+
+
 # ----- take_commit ------------------------------------------------------------------------
 
 
-def test_take_commit_records_world_size_step_and_sampler_position():
+def test_take_commit_records_world_size_step_sampler_position_and_rng_states():
     live = lightning_checkpoint(counters(4), counters(24), global_step=24)
-    commit = take_commit(live, world_size=2, global_step=24, sampler=position(consumed=40))
-    assert (commit.world_size, commit.global_step) == (2, 24)
-    assert commit.sampler == position(consumed=40)
-    extra = commit.checkpoint[EXTRA_KEY]
-    assert extra["world_size"] == 2
-    assert extra["sampler"] == {"epoch": 1, "consumed": 40, "dataset_size": 100, "batch_size": 5}
-    assert set(extra["rng"]) >= {"torch", "python", "numpy"}
+    commit = commit_of(live, world_size=2, global_step=24, sampler=position(consumed=40))
+    assert commit.meta == CommitInfo(world_size=2, global_step=24, sampler=position(consumed=40))
+    assert set(commit.meta.rng) >= {"torch", "python", "numpy"}
 
 
 def test_take_commit_without_a_sampler_records_none():
-    commit = take_commit(lightning_checkpoint(counters(1), counters(1)), world_size=1, global_step=1, sampler=None)
-    assert commit.checkpoint[EXTRA_KEY]["sampler"] is None
-    assert commit.sampler is None
+    commit = commit_of(lightning_checkpoint(counters(1), counters(1)), world_size=1, global_step=1, sampler=None)
+    assert commit.meta.sampler is None
 
 
 def test_take_commit_copies_the_live_checkpoint_and_leaves_it_alone():
     live = lightning_checkpoint(counters(4), counters(24))
-    commit = take_commit(live, world_size=2, global_step=24, sampler=None)
-    assert EXTRA_KEY not in live
+    commit = commit_of(live, world_size=2, global_step=24, sampler=None)
+    assert set(live) == {"state_dict", "loops", "global_step"}
     live["state_dict"]["weight"].add_(10.0)
     progress_of(live)["current"]["ready"] = 99
-    assert commit.checkpoint["state_dict"]["weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert progress_of(commit.checkpoint)["current"]["ready"] == 4
+    assert commit.tree()["state_dict"]["weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert progress_of(commit.tree())["current"]["ready"] == 4
+
+
+def test_commits_into_the_same_snapshot_reuse_its_buffers():
+    snapshot = HostSnapshot()
+    pointers = []
+    for step in range(3):
+        live = lightning_checkpoint(counters(step), counters(step), global_step=step)
+        pointers.append(commit_of(live, 1, step, None, snapshot).tree(clone=False)["state_dict"]["weight"].data_ptr())
+    assert pointers[2] == pointers[0] != pointers[1]
 
 
 def test_the_commit_restores_the_rng_states_it_was_taken_with():
-    commit = take_commit(lightning_checkpoint(counters(0), counters(0)), world_size=1, global_step=0, sampler=None)
+    commit = commit_of(lightning_checkpoint(counters(0), counters(0)), world_size=1, global_step=0, sampler=None)
     expected = (torch.rand(3).tolist(), random.random(), np.random.rand())
     torch.rand(5), random.random(), np.random.rand(2)  # the run goes on
     checkpoint_for_lightning(commit, world_size=1)
@@ -110,19 +125,31 @@ def test_the_commit_restores_the_rng_states_it_was_taken_with():
 # ----- checkpoint_for_lightning -----------------------------------------------------------
 
 
-def test_the_checkpoint_for_lightning_is_a_copy_without_the_elastic_extras():
-    commit = take_commit(lightning_checkpoint(counters(4), counters(24)), 2, 24, position(consumed=40))
+def test_the_checkpoint_for_lightning_is_a_copy():
+    commit = commit_of(lightning_checkpoint(counters(4), counters(24)), 2, 24, position(consumed=40))
     checkpoint = checkpoint_for_lightning(commit, world_size=4)
-    assert EXTRA_KEY not in checkpoint
-    assert EXTRA_KEY in commit.checkpoint
-    checkpoint["state_dict"]["weight"].add_(1.0)
-    assert commit.checkpoint["state_dict"]["weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert progress_of(commit.checkpoint)["current"] == counters(4)  # the commit is not rescaled
+    assert set(checkpoint) == set(commit.tree())
+    progress_of(checkpoint)["total"]["ready"] = 1000
+    assert progress_of(commit.tree())["current"] == counters(4)  # the commit is not rescaled
+    assert progress_of(commit.tree())["total"] == counters(24)
+
+
+def test_the_checkpoint_for_lightning_lends_the_model_weights_and_copies_optimizer_state():
+    live = lightning_checkpoint(counters(1), counters(1))
+    live["optimizer_states"] = [{"state": {0: {"momentum_buffer": torch.ones(2)}}, "param_groups": [{"lr": 0.1}]}]
+    commit = commit_of(live, 1, 1, None)
+    checkpoint = checkpoint_for_lightning(commit, world_size=1)
+    buffers = {t.data_ptr() for t in commit.tensors}
+    assert checkpoint["state_dict"]["weight"].data_ptr() in buffers  # Lightning copies it into the model
+    momentum = checkpoint["optimizer_states"][0]["state"][0]["momentum_buffer"]
+    assert momentum.data_ptr() not in buffers  # an optimizer adopts it: the commit must not change
+    momentum.add_(1.0)
+    assert commit.tree()["optimizer_states"][0]["state"][0]["momentum_buffer"].tolist() == [1.0, 1.0]
 
 
 def test_the_same_world_size_keeps_the_batch_progress():
     # 4 batches of 5 at world size 2: 40 of 100 samples consumed.
-    commit = take_commit(lightning_checkpoint(counters(4, 3), counters(24, 23)), 2, 24, position(consumed=40))
+    commit = commit_of(lightning_checkpoint(counters(4, 3), counters(24, 23)), 2, 24, position(consumed=40))
     progress = progress_of(checkpoint_for_lightning(commit, world_size=2))
     assert progress == {"current": counters(4, 3), "total": counters(24, 23), "is_last_batch": False}
 
@@ -138,7 +165,7 @@ def test_the_same_world_size_keeps_the_batch_progress():
 )
 def test_a_new_world_size_rescales_current_and_total_batch_progress(old_world, batches, new_world, done_now):
     consumed = batches * 5 * old_world
-    commit = take_commit(
+    commit = commit_of(
         lightning_checkpoint(counters(batches, batches - 1), counters(20 + batches, 19 + batches)),
         old_world, 20 + batches, position(consumed=consumed),
     )
@@ -152,7 +179,7 @@ def test_a_new_world_size_rescales_current_and_total_batch_progress(old_world, b
 
 def test_an_uneven_split_rescales_up():
     # 10 samples, batches of 2 at world size 3: one batch consumed 6 samples; 4 left.
-    commit = take_commit(lightning_checkpoint(counters(1), counters(1)), 3, 1, position(6, dataset_size=10, batch_size=2))
+    commit = commit_of(lightning_checkpoint(counters(1), counters(1)), 3, 1, position(6, dataset_size=10, batch_size=2))
     progress = progress_of(checkpoint_for_lightning(commit, world_size=2))
     assert progress["current"] == counters(2)  # at 2 ranks: 3 batches in the epoch, 1 left
     assert progress["total"] == counters(2)
@@ -160,20 +187,20 @@ def test_an_uneven_split_rescales_up():
 
 def test_counters_never_go_below_zero():
     # A total behind current (hand-made): a counter the shift would make negative stops at zero.
-    commit = take_commit(lightning_checkpoint(counters(4), counters(1)), 2, 4, position(consumed=40))
+    commit = commit_of(lightning_checkpoint(counters(4), counters(1)), 2, 4, position(consumed=40))
     progress = progress_of(checkpoint_for_lightning(commit, world_size=4))
     assert progress["current"] == counters(2)
     assert progress["total"] == counters(0)
 
 
 def test_without_a_sampler_position_the_progress_is_kept():
-    commit = take_commit(lightning_checkpoint(counters(4), counters(24)), 2, 24, sampler=None)
+    commit = commit_of(lightning_checkpoint(counters(4), counters(24)), 2, 24, sampler=None)
     progress = progress_of(checkpoint_for_lightning(commit, world_size=4))
     assert (progress["current"], progress["total"]) == (counters(4), counters(24))
 
 
 def test_a_checkpoint_without_loops_is_passed_through():
-    commit = take_commit({"state_dict": {}, "global_step": 3}, 2, 3, position(consumed=40))
+    commit = commit_of({"state_dict": {}, "global_step": 3}, 2, 3, position(consumed=40))
     assert checkpoint_for_lightning(commit, world_size=4) == {"state_dict": {}, "global_step": 3}
 
 
@@ -190,7 +217,7 @@ def test_the_progress_of_a_real_fit_loop_is_found_and_rescaled():
     assert set(progress["current"]) == set(progress["total"]) == set(counters(0))
     progress["current"].update(counters(4))
     progress["total"].update(counters(4))
-    commit = take_commit({"loops": {"fit_loop": loops}, "global_step": 4}, 2, 4, position(consumed=40))
+    commit = commit_of({"loops": {"fit_loop": loops}, "global_step": 4}, 2, 4, position(consumed=40))
     rescaled = compat.batch_progress(checkpoint_for_lightning(commit, world_size=4))
     assert rescaled is not None
     assert (rescaled["current"], rescaled["total"]) == (counters(2), counters(2))
@@ -200,20 +227,21 @@ def test_the_progress_of_a_real_fit_loop_is_found_and_rescaled():
 
 
 def test_alone_without_a_commit_there_is_nothing_to_restore():
-    assert agree_on_restore(FakeWorker(), None, ["v1"]) == RestorePlan(None, ["v1"])
+    assert agree_on_restore(FakeWorker(), HostSnapshot(), ["v1"]) == RestorePlan(None, ["v1"])
 
 
 def test_alone_with_a_commit_rank_0_is_the_source():
-    commit = take_commit(lightning_checkpoint(counters(1), counters(1), 7), 1, 7, None)
-    assert agree_on_restore(FakeWorker(), commit, ["v1"]) == RestorePlan(0, ["v1"])
+    snapshot = HostSnapshot()
+    commit_of(lightning_checkpoint(counters(1), counters(1), 7), 1, 7, None, snapshot)
+    assert agree_on_restore(FakeWorker(), snapshot, ["v1"]) == RestorePlan(0, ["v1"])
 
 
 def test_alone_receive_commit_gives_back_the_commit():
-    commit = take_commit(lightning_checkpoint(counters(1), counters(1), global_step=7), 3, 7, position(consumed=15))
-    received = receive_commit(FakeWorker(), commit, source_rank=0)
-    assert isinstance(received, Commit)
-    assert (received.world_size, received.global_step, received.sampler) == (3, 7, position(consumed=15))
-    assert received.checkpoint["state_dict"]["weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    snapshot = HostSnapshot()
+    commit_of(lightning_checkpoint(counters(1), counters(1), global_step=7), 3, 7, position(consumed=15), snapshot)
+    received = receive_commit(FakeWorker(), snapshot, source_rank=0)
+    assert received.meta == CommitInfo(3, 7, position(consumed=15))
+    assert received.tree()["state_dict"]["weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 # ----- agree_on_restore, receive_commit across real ranks ---------------------------------
@@ -230,23 +258,25 @@ SCENARIOS: dict[str, tuple[list[int | None], int | None]] = {
 }
 
 
-def commit_at(step: int | None, rank: int) -> Commit | None:
-    if step is None:
-        return None
-    checkpoint = lightning_checkpoint(counters(step), counters(step), global_step=step)
-    checkpoint["state_dict"]["weight"] = torch.full((2,), float(rank))
-    return take_commit(checkpoint, world_size=10 + rank, global_step=step, sampler=position(consumed=rank))
+def snapshot_at(step: int | None, rank: int) -> HostSnapshot:
+    snapshot = HostSnapshot()
+    if step is not None:
+        checkpoint = lightning_checkpoint(counters(step), counters(step), global_step=step)
+        checkpoint["state_dict"]["weight"] = torch.full((2,), float(rank))
+        commit_of(checkpoint, world_size=10 + rank, global_step=step, sampler=position(consumed=rank), snapshot=snapshot)
+    return snapshot
 
 
 def agree_everywhere(rank: int, worker: FakeWorker) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (steps, _) in SCENARIOS.items():
-        commit = commit_at(steps[rank], rank)
-        plan = agree_on_restore(worker, commit, [f"version of rank {rank}"])
+        snapshot = snapshot_at(steps[rank], rank)
+        plan = agree_on_restore(worker, snapshot, [f"version of rank {rank}"])
         received = None
         if plan.source_rank is not None:
-            got = receive_commit(worker, commit, plan.source_rank)
-            received = (got.world_size, got.global_step, got.sampler, got.checkpoint["state_dict"]["weight"].tolist())
+            got = receive_commit(worker, snapshot, plan.source_rank).meta
+            weight = snapshot.committed().tree()["state_dict"]["weight"].tolist()
+            received = (got.world_size, got.global_step, got.sampler, weight)
         results[name] = (plan, received)
     return results
 
@@ -273,3 +303,43 @@ def test_every_rank_receives_the_source_ranks_commit(agreed, name):
 def test_nothing_is_received_when_nobody_holds_a_commit(agreed):
     assert [result["nobody holds one"][1] for result in agreed] == [None] * RANKS
 
+
+
+# ----- the loop state taken at every commit -----------------------------------------------
+
+
+def test_the_fast_loop_state_equals_lightnings_own_mid_fit():
+    import lightning.pytorch as pl  # noqa: PLC0415
+    from torch.utils.data import DataLoader, TensorDataset  # noqa: PLC0415
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch[0]).sum()
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    seen: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    class Compare(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            connector = trainer._checkpoint_connector
+            seen.append((compat.loops_state_dict(trainer), type(connector)._get_loops_state_dict(connector)))
+
+    data = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, val_check_interval=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Compare()],
+    )
+    trainer.fit(Tiny(), data, data)
+    assert len(seen) == 8
+    for fast, lightning in seen:
+        assert fast == lightning
+    assert seen[-1][0]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["total"]["completed"] > 0

@@ -1,0 +1,119 @@
+"""ElasticCallback: commits and host checks on training steps (lightning_elastic/lightning/callbacks.py).
+
+A scripted trainer stands in for Lightning's: the callback reads only ``trainer.strategy``,
+``trainer.global_step`` and ``trainer.callbacks``; the fit loop itself is exercised by the
+Lightning integration tests.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from lightning_elastic.errors import HostsUpdatedInterrupt
+from lightning_elastic.lightning.callbacks import ElasticCallback, ScaleLearningRate
+from tests.unit.fakes import FakeWorker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class ScriptedStrategy:
+    def __init__(self, worker: FakeWorker) -> None:
+        self.worker = worker
+        self.commits: list[int] = []
+        self.batches: list[int] = []
+        self.trainer: types.SimpleNamespace | None = None
+
+    def take_commit(self, trainer: types.SimpleNamespace) -> None:
+        self.commits.append(trainer.global_step)
+
+    def record_batch(self, batch_idx: int) -> None:
+        self.batches.append(batch_idx)
+
+
+def fit(callback: ElasticCallback, epochs: int, batches: int, steps_per_batch: float = 1.0,
+        worker: FakeWorker | None = None, start_step: int = 0) -> ScriptedStrategy:
+    """Batch ends of a fit: ``steps_per_batch`` 0.5 is gradient accumulation over 2 batches
+    (the epoch's last batch always steps, as Lightning does), 2 is two optimizers."""
+    strategy = ScriptedStrategy(worker or FakeWorker())
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=start_step, callbacks=[callback], world_size=1)
+    callback.on_train_start(trainer, None)
+    for _ in range(epochs):
+        for batch_idx in range(batches):
+            last_batch = batch_idx == batches - 1
+            if steps_per_batch >= 1:
+                trainer.global_step += int(steps_per_batch)
+            elif (batch_idx + 1) % int(1 / steps_per_batch) == 0 or last_batch:
+                trainer.global_step += 1
+            callback.on_train_batch_end(trainer, None, None, None, batch_idx)
+    return strategy
+
+
+def test_commits_count_training_steps_across_epochs():
+    # 43 batches per epoch: a per-epoch batch count would commit at 10, 20, 30, 40, 53, ...
+    strategy = fit(ElasticCallback(commit_every_n_steps=10, check_every_n_steps=1000), epochs=2, batches=43)
+    assert strategy.commits == [10, 20, 30, 40, 50, 60, 70, 80]
+    assert len(strategy.batches) == 86  # every batch is recorded for the sampler
+
+
+def test_the_default_commits_and_checks_every_step():
+    worker = FakeWorker()
+    strategy = fit(ElasticCallback(), epochs=1, batches=5, worker=worker)
+    assert strategy.commits == [1, 2, 3, 4, 5]
+    assert worker.checks == 5
+
+
+def test_with_gradient_accumulation_only_an_optimizer_step_commits_or_checks():
+    worker = FakeWorker()
+    strategy = fit(ElasticCallback(commit_every_n_steps=2, check_every_n_steps=1), epochs=1, batches=9,
+                   steps_per_batch=0.5, worker=worker)
+    # 9 batches, accumulating 2: steps at batches 2, 4, 6, 8 and the epoch's last (9).
+    assert strategy.commits == [2, 4]
+    assert worker.checks == 5
+
+
+def test_a_step_that_jumps_over_a_multiple_still_commits():
+    strategy = fit(ElasticCallback(commit_every_n_steps=3, check_every_n_steps=1000), epochs=1, batches=5,
+                   steps_per_batch=2)
+    assert strategy.commits == [4, 6, 10]  # crossed 3, 6 and 9
+
+
+def test_a_resumed_fit_counts_from_the_commits_step():
+    strategy = fit(ElasticCallback(commit_every_n_steps=10, check_every_n_steps=1000), epochs=1, batches=15,
+                   start_step=41)
+    assert strategy.commits == [50]
+
+
+def test_a_host_change_commits_the_live_state_before_the_interrupt():
+    callback = ElasticCallback(commit_every_n_steps=10, check_every_n_steps=1)
+    strategy = ScriptedStrategy(FakeWorker(interrupt_at=[3]))
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=0, callbacks=[callback], world_size=1)
+    callback.on_train_start(trainer, None)
+    with pytest.raises(HostsUpdatedInterrupt):
+        for batch_idx in range(5):
+            trainer.global_step += 1
+            callback.on_train_batch_end(trainer, None, None, None, batch_idx)
+    assert strategy.commits == [3]
+
+
+def test_only_the_committing_callback_commits():
+    first, second = ElasticCallback(), ScaleLearningRate()
+    strategy = ScriptedStrategy(FakeWorker())
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=1, callbacks=[second, first], world_size=1)
+    second.on_train_batch_end(trainer, None, None, None, 0)
+    assert strategy.commits == []
+    first.on_train_batch_end(trainer, None, None, None, 0)
+    assert strategy.commits == [1]
+
+
+def test_the_old_batch_names_still_work_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="commit_every_n_batches is deprecated, use commit_every_n_steps"):
+        callback = ElasticCallback(commit_every_n_batches=5)
+    assert callback.commit_every_n_steps == 5
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "3"])
+def test_a_bad_interval_is_a_one_line_error(value):
+    with pytest.raises(ValueError, match=f"ElasticCallback: commit_every_n_steps must be a positive integer, got {value!r}"):
+        ElasticCallback(commit_every_n_steps=value)
