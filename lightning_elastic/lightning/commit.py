@@ -118,6 +118,12 @@ def checkpoint_for_lightning(committed: Committed, world_size: int) -> dict[str,
         done_now = epoch_batches_done(position.dataset_size, position.consumed, world_size, position.batch_size)
         delta = done_now - int(progress["current"]["ready"])
         for counters in (progress["current"], progress["total"]):
-            for key in ("ready", "started", "processed", "completed"):
+            # A commit is taken at a batch end, where Lightning has processed the batch but
+            # counts it completed only when it resumes. The gap is kept, even below zero:
+            # rescaled to the start of the epoch, "completed" is -1 and becomes 0 on resuming,
+            # so the next batch is the epoch's first (a clamp at 0 would skip one).
+            gap = int(counters["processed"]) - int(counters["completed"])
+            for key in ("ready", "started", "processed"):
                 counters[key] = max(0, int(counters[key]) + delta)
+            counters["completed"] = counters["processed"] - gap
     return checkpoint

@@ -343,3 +343,48 @@ def test_the_fast_loop_state_equals_lightnings_own_mid_fit():
     for fast, lightning in seen:
         assert fast == lightning
     assert seen[-1][0]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["total"]["completed"] > 0
+
+
+def test_a_commit_rescaled_to_the_start_of_its_epoch_resumes_at_the_first_batch(tmp_path):
+    """The edge a clamp at zero got wrong: a world that grows right after an epoch's first
+    batch has done none of the new epoch at its size; Lightning must restart at batch 0."""
+    import lightning.pytorch as pl  # noqa: PLC0415
+    from torch.utils.data import DataLoader, TensorDataset  # noqa: PLC0415
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    path = tmp_path / "commit.ckpt"
+
+    class CommitAtEpoch1Batch0(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.current_epoch == 1 and batch_idx == 0:
+                # As if 1 of 16 samples were consumed: at world size 1, batches of 2, no
+                # batch of the epoch is done (epoch_batches_done(16, 1, 1, 2) == 0).
+                commit = commit_of(compat.dump_checkpoint(trainer), 1, trainer.global_step,
+                                   position(consumed=1, dataset_size=16, batch_size=2))
+                torch.save(checkpoint_for_lightning(commit, world_size=1), path)
+
+    batches: list[tuple[int, int]] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            batches.append((trainer.current_epoch, batch_idx))
+
+    def trainer(callback: pl.Callback) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+
+    data = DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=2)
+    trainer(CommitAtEpoch1Batch0()).fit(Tiny(), data)
+    assert epoch_batches_done(16, 1, 1, 2) == 0
+    trainer(Record()).fit(Tiny(), data, ckpt_path=path)
+    assert batches == [(1, b) for b in range(8)]
