@@ -195,6 +195,9 @@ class CudaCopier:
         with torch.no_grad(), torch.cuda.stream(self._stream):
             for destination, source in zip(destinations, sources):
                 destination.copy_(source, non_blocking=True)
+                # A source the state_dict made for the occasion may be freed before the copy
+                # ran: the caching allocator must not hand its memory out until it has.
+                source.record_stream(self._stream)
             event = torch.cuda.Event()
             event.record(self._stream)
         current.wait_event(event)
