@@ -1,0 +1,1 @@
+"""The suite's measurements: step time, commit cost, joiner transfer, recovery (see benchmarks/suite.py)."""

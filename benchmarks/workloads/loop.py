@@ -1,0 +1,84 @@
+"""A plain PyTorch DDP training loop, under torchrun or under ``lightning-elastic launch``.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 3 benchmarks/workloads/loop.py --log-dir D
+    lightning-elastic launch -np 3 -H 127.0.0.1:1,127.0.0.2:1,127.0.0.3:1 \
+        python benchmarks/workloads/loop.py --log-dir D --commit-every 10 --check-every 1
+
+The mode follows the environment: under the launcher the loop runs inside ``@le.run`` with a
+``le.TorchState(model, optimizer, step=0)``, calls ``state.commit()`` every
+``--commit-every`` steps and ``state.check_host_updates()`` every ``--check-every`` steps
+(a commit checks too); otherwise it is the same loop on a process group of its own
+(``init_process_group("gloo")``). Nothing else differs: model, data, batches, DDP wrapper.
+Every completed step (after its commit or check) appends a record to ``--log-dir`` (steplog).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import signal
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import _shared as sh
+from steplog import StepLog
+
+ELASTIC = "LIGHTNING_ELASTIC_DRIVER_URL" in os.environ  # lightning_elastic.protocol.ENV_DRIVER_URL
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # a hung worker's stacks: kill -USR1 <pid>
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", choices=sorted(sh.SPECS))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--commit-every", type=int, default=10, help="elastic only")
+    parser.add_argument("--check-every", type=int, default=1, help="elastic only")
+    parser.add_argument("--log-dir", type=Path, required=True)
+    args = parser.parse_args()
+    spec = sh.spec(args.model)
+    log = StepLog(args.log_dir)
+    model = sh.build_model(spec)
+    optimizer = sh.make_optimizer(model, spec)
+    data = sh.random_data(spec)
+
+    if ELASTIC:
+        import lightning_elastic as le
+
+        le.init()
+        state = le.TorchState(model, optimizer, step=0)
+
+        @le.run
+        def train(state: le.TorchState) -> None:
+            ddp = DDP(model)
+            while state.step < args.steps:
+                rank, size = le.rank(), le.size()
+                sh.train_step(ddp, optimizer, *sh.batch_at(data, spec, state.step, rank, size))
+                state.step += 1
+                if state.step % args.commit_every == 0:
+                    state.commit()  # includes the host-update check
+                elif state.step % args.check_every == 0:
+                    state.check_host_updates()
+                log.step(state.step, rank, size)
+
+        train(state)
+    else:
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        ddp = DDP(model)
+        step = 0
+        while step < args.steps:
+            sh.train_step(ddp, optimizer, *sh.batch_at(data, spec, step, rank, size))
+            step += 1
+            log.step(step, rank, size)
+        # Without the barrier and the DDP wrapper gone first, a worker hung at exit here now
+        # and then (after its last step, in DDP / gloo teardown), so torchrun never returned.
+        del ddp
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
