@@ -109,15 +109,18 @@ def send_tensors(tensors: Sequence[torch.Tensor], src: int, device: torch.device
     """Broadcast the contents of contiguous host ``tensors`` from ``src`` into every rank's."""
     flat = [_bytes_of(t) for t in tensors]
     staged_on_device = device.type == "cuda"
-    staging: torch.Tensor | None = None
+    chunks = plan_chunks([f.numel() for f in flat], chunk_bytes)
+    staged = [c for c in chunks if len(c) > 1 or staged_on_device]
+    # As large as the largest staged chunk, no larger: a small model's commit is one chunk.
+    staging_bytes = max((sum(s.nbytes for s in c) for c in staged), default=0)
+    staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device) if staged else None
     is_source = dist.get_rank() == src
-    for chunk in plan_chunks([f.numel() for f in flat], chunk_bytes):
+    for chunk in chunks:
         if len(chunk) == 1 and not staged_on_device:
             segment = chunk[0]
             dist.broadcast(flat[segment.index][segment.start:segment.end], src=src)
             continue
-        if staging is None:
-            staging = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
+        assert staging is not None
         total = sum(s.nbytes for s in chunk)
         if is_source:
             _pack(staging, chunk, flat)

@@ -1,6 +1,6 @@
 """Other fault-tolerant training tools, measured the same way as lightning-elastic.
 
-Each peer runs benchmarks/loop.py's training loop (same model, data, batch size, gradient
+Each peer runs the suite's plain training loop (workloads/loop.py: same model, data, batch size, gradient
 sync) written the way that tool's own docs do it, and exposes ``measure(repeats, workdir)``.
 A peer whose package is missing raises ``PeerUnavailable`` from ``measure``; the suite
 prints ``<tool>: skipped (<message>)`` and goes on.

@@ -1,4 +1,4 @@
-"""benchmarks/loop.py's training loop, made fault tolerant the way torchft's docs do it.
+"""benchmarks/workloads/loop.py's training loop, made fault tolerant the way torchft's docs do it.
 
 One process is one replica group of size 1 (torchft's README: "for DDP we can use replica
 groups of size 1"). As in torchft's train_ddp.py example: a ``torchft.Manager`` per replica
@@ -6,8 +6,7 @@ group, talking to a lighthouse (``TORCHFT_LIGHTHOUSE`` or ``--lighthouse``) that
 quorum at every step; ``ProcessGroupGloo`` reconfigured at every quorum change;
 ``torchft.DistributedDataParallel`` (gradient all-reduce through the manager) and
 ``torchft.Optimizer`` (``zero_grad`` starts the quorum, ``step`` steps only if the replicas
-agree the step may commit); ``torchft.DistributedSampler`` shards the data over the replica
-groups. The per-group TCPStore that torchrun would provide is started here.
+agree the step may commit). The per-group TCPStore that torchrun would provide is started here.
 
 ``--ddp patched`` (the default) fixes one bug of torchft 0.2.0's DistributedDataParallel:
 when a peer dies during the gradient all-reduce (gloo: "Connection reset by peer"), the
@@ -17,33 +16,35 @@ every survivor. The patched hook hands DDP the bucket unchanged instead; the ste
 discarded anyway (``should_commit`` is False after an error) and the next step forms a new
 quorum. ``--ddp stock`` runs torchft's class as shipped.
 
-The model, data, batch size and optimizer are benchmarks/loop.py's (its ``build``).
-Every committed step (the optimizer really stepped) appends a JSON line to --log-dir:
-``{"t", "step", "rank" (replica id), "size" (replicas in this step's quorum), "pid"}``.
+The model, data, batch size, optimizer and loss are workloads/loop.py's (workloads/_shared.py,
+``--model small`` by default: MLP 256 -> 1024 -> 10, batch 64, SGD lr 0.01, cross-entropy).
+The batch of step ``s`` on replica ``r`` is ``_shared.batch_at(data, spec, s, r, --num-replicas)``,
+``s`` being the manager's step before the step starts: the data stay sharded over all the
+replica groups, as torchft's ``DistributedSampler(num_replica_groups=...)`` shards them.
+Every committed step (the optimizer really stepped) appends a record to --log-dir through
+workloads/steplog.py: ``{"t", "step", "rank" (replica id), "size" (replicas in this step's
+quorum), "pid"}``.
 
     TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 benchmarks/.venv/bin/python \\
         benchmarks/peers/torchft_loop.py --replica-id 0 --num-replicas 3 --log-dir /tmp/steps
 """
 
 import argparse
-import json
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
-from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loop import build  # noqa: E402  (benchmarks/loop.py: the same model and data)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workloads"))
+import _shared as sh  # noqa: E402  (workloads/loop.py's model, data, batches and optimizer)
+from steplog import StepLog  # noqa: E402
 
 from torchft import (  # noqa: E402
     DistributedDataParallel,
-    DistributedSampler,
     Manager,
     Optimizer,
     ProcessGroupGloo,
@@ -78,19 +79,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pg-timeout", type=float, default=5.0, help="ProcessGroupGloo timeout, seconds")
     parser.add_argument("--ddp", choices=("patched", "stock"), default="patched",
                         help="stock: torchft.DistributedDataParallel as shipped (see the docstring)")
+    parser.add_argument("--model", default="small", choices=sorted(sh.SPECS))
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--log-dir", type=Path, required=True)
     args = parser.parse_args(argv)
     if not args.lighthouse:
         parser.error("--lighthouse or TORCHFT_LIGHTHOUSE is required")
 
-    args.log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(args.log_dir / f"{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
-
-    model, dataset = build(args.samples)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    spec = sh.spec(args.model)
+    log = StepLog(args.log_dir)
+    model = sh.build_model(spec)
+    optimizer = sh.make_optimizer(model, spec)
+    data = sh.random_data(spec)
 
     def load_state_dict(state_dict: dict) -> None:  # a healing replica gets a peer's state
         model.load_state_dict(state_dict["model"])
@@ -117,26 +117,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     ddp = (PatchedDistributedDataParallel if args.ddp == "patched" else DistributedDataParallel)(manager, model)
     ft_optimizer = Optimizer(manager, optimizer)
-    sampler = DistributedSampler(dataset, replica_rank=args.replica_id, num_replica_groups=args.num_replicas,
-                                 group_rank=0, num_replicas=1, seed=0)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 
-    epoch = 0
     try:
         while manager.current_step() < args.steps:
-            sampler.set_epoch(epoch)
-            for x, y in loader:
-                ft_optimizer.zero_grad()               # starts this step's quorum (async)
-                torch.nn.functional.mse_loss(ddp(x), y).backward()  # all-reduce via the manager
-                before = manager.current_step()        # quorum done (a healer's step is set)
-                ft_optimizer.step()                    # steps only if should_commit
-                if manager.current_step() > before:
-                    log.write(json.dumps({"t": time.time(), "step": manager.current_step(),
-                                          "rank": args.replica_id, "size": manager.num_participants(),
-                                          "pid": os.getpid()}) + "\n")
-                if manager.current_step() >= args.steps:
-                    break
-            epoch += 1
+            # _shared.train_step, with the commit check between backward and step.
+            x, y = sh.batch_at(data, spec, manager.current_step(), args.replica_id, args.num_replicas)
+            ft_optimizer.zero_grad()                   # starts this step's quorum (async)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()  # all-reduce via the manager
+            before = manager.current_step()            # quorum done (a healer's step is set)
+            ft_optimizer.step()                        # steps only if should_commit
+            if manager.current_step() > before:
+                log.step(manager.current_step(), args.replica_id, manager.num_participants())
     finally:
         manager.shutdown(wait=False)
 

@@ -5,12 +5,13 @@
 
 Per trial: a lighthouse (torchft's ``torchft_lighthouse`` binary, as its README starts it)
 and 3 replica groups of one process each running benchmarks/peers/torchft_loop.py (the
-benchmarks/loop.py model, data and batch size under torchft's Manager, DDP and Optimizer
-wrappers). Once the victim (replica 1, never replica 0) has committed 40 steps, the last 10
-of them in a quorum of all 3 (on 2 cores one replica may import torch late and join by
-healing from a peer), it gets SIGKILL; the result is the time from the kill to the first
-step a survivor commits in the new 2-replica quorum, or None when none comes within
-``bound`` seconds. Every process of the trial is killed (by process group) after it.
+suite's "small" model, data, batch size and optimizer, as in workloads/loop.py, under
+torchft's Manager, DDP and Optimizer wrappers). Once the victim (replica 1, never
+replica 0) has committed 40 steps, the last 10 of them in a quorum of all 3 (on 2 cores one
+replica may import torch late and join by healing from a peer), it gets SIGKILL; the result
+is the time from the kill to the first step a survivor commits in the new 2-replica quorum,
+or None when none comes within ``bound`` seconds. Every process of the trial is killed (by
+process group) after it.
 
 Settings (``LIGHTHOUSE``, ``REPLICA``): the lighthouse flags of torchft's README
 (``--quorum_tick_ms 100 --join_timeout_ms 10000``) with ``--min_replicas 2``, so the 2
@@ -45,6 +46,9 @@ except ImportError:  # run as a script
     from peers import PeerUnavailable
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent / "workloads") not in sys.path:
+    sys.path.insert(0, str(HERE.parent / "workloads"))
+from steplog import read_steps  # noqa: E402  (the suite's step-log reader)
 
 LOOP = HERE / "torchft_loop.py"
 REPLICAS = 3
@@ -71,17 +75,6 @@ def lighthouse_binary() -> Path:
     if not binary.exists():
         raise PeerUnavailable(f"torchft is installed but {binary} is missing")
     return binary
-
-
-def read_steps(log_dir: Path) -> list[dict]:
-    steps = []
-    for path in log_dir.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                steps.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
-    return sorted(steps, key=lambda s: s["t"])
 
 
 def wait_until(predicate, timeout: float, procs: list[subprocess.Popen] = ()) -> bool:

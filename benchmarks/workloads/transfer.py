@@ -10,7 +10,11 @@ a barrier:
 
 - ``sync``: ``state.sync()`` (rank 0's state, model and optimizer, onto every rank);
 - ``broadcast``: ``dist.broadcast`` from rank 0 of one flat uint8 tensor with as many bytes
-  as rank 0's state tensors (allocated and touched beforehand), in the same group.
+  as rank 0's state tensors (allocated and touched beforehand), in the same group;
+- ``transfer``: the transfer inside ``sync`` alone (``lightning_elastic.transfer.broadcast_commit``
+  of rank 0's commit): into a joiner's new buffers (``transfer_fresh_s``), and a third time
+  into the same snapshot, whose spare buffers are reused as a survivor's are
+  (``transfer_reused_s``). ``sync`` adds rank 0's save and rank 1's restore to it.
 
 Rank 1 also records its memory during each sync: the peak RSS (``VmHWM`` after resetting it
 through ``/proc/self/clear_refs``, and the highest ``/proc/self/statm`` sample of a thread
@@ -34,6 +38,8 @@ import torch.distributed as dist
 
 import _shared as sh
 import lightning_elastic as le
+from lightning_elastic.snapshot import HostSnapshot
+from lightning_elastic.transfer import broadcast_commit
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -98,7 +104,8 @@ def main() -> None:
     rank = le.rank()
     out: dict = {"rank": rank, "size": le.size(), "model": spec.name, "base_rss": base_rss,
                  "sync_s": [], "broadcast_s": [], "rss_before": [], "peak_hwm": [], "peak_sampled": [],
-                 "samples": [], "live_bytes_before": [], "live_bytes": [], "committed_bytes": []}
+                 "samples": [], "live_bytes_before": [], "live_bytes": [], "committed_bytes": [],
+                 "transfer_fresh_s": [], "transfer_second_s": [], "transfer_reused_s": []}
 
     def measure(_: le.ObjectState) -> None:
         optimizer = sh.make_optimizer(model, spec, momentum=0.9)
@@ -137,6 +144,15 @@ def main() -> None:
             dist.broadcast(flat, src=0)
             out["broadcast_s"].append(time.perf_counter() - start)
             del flat
+            # The transfer alone (no save on rank 0, no restore on rank 1): into a joiner's
+            # new buffers, then (third time) into buffers reused as a survivor's are.
+            snapshot = state._snapshot if rank == 0 else HostSnapshot()
+            for key in ("transfer_fresh_s", "transfer_second_s", "transfer_reused_s"):
+                dist.barrier()
+                start = time.perf_counter()
+                broadcast_commit(snapshot, rank, 2, 0, torch.device("cpu"))
+                out[key].append(time.perf_counter() - start)
+            del snapshot
             dist.barrier()
 
     le.run(measure)(le.ObjectState())
