@@ -66,7 +66,6 @@ def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 _LOOP_NAMES = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def loops_state_dict(trainer: pl.Trainer) -> dict[str, Any]:
@@ -87,13 +86,14 @@ def _loop_state(loop: _Loop, destination: dict[str, Any], prefix: str) -> dict[s
     return destination
 
 
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
 def _progress_state(progress: Any) -> dict[str, Any]:
-    kind = type(progress)
-    names = _FIELD_NAMES.get(kind)
-    if names is None:
-        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(progress))
     result = {}
-    for name in names:
+    for name in _field_names(type(progress)):
         value = getattr(progress, name)
         if isinstance(value, _BaseProgress):
             value = _progress_state(value)
