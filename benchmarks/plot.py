@@ -78,12 +78,13 @@ def _transfer(results: dict) -> list[tuple]:
     for model, record in results["models"].items():
         if not record["ok"]:
             continue
-        for rank in ("rank0", "rank1"):
-            r = record["value"][rank]
-            for key, name in (("sync_s", "sync"), ("broadcast_s", "broadcast")):
-                labels.append(f"{model} {name} {rank}")
+        r = record["value"]["rank1"]  # the receiver's view
+        for key, name in (("broadcast_s", "raw broadcast"), ("transfer_fresh_s", "transfer, new buffers"),
+                          ("transfer_reused_s", "transfer, reused buffers"), ("sync_s", "sync")):
+            if r.get(key):
+                labels.append(f"{model}: {name}")
                 samples.append([r["state_bytes"] / s / 1e9 for s in r[key]])
-    return [(labels, samples, "GB/s", "joiner transfer, 2 workers")] if labels else []
+    return [(labels, samples, "GB/s", "joiner transfer, 2 workers (rank 1)")] if labels else []
 
 
 def _recovery(ax: Any, results: dict) -> None:
