@@ -308,9 +308,9 @@ def test_nothing_is_received_when_nobody_holds_a_commit(agreed):
 # ----- the loop state taken at every commit -----------------------------------------------
 
 
-def test_the_fast_loop_state_equals_lightnings_own_mid_fit():
+def tiny_module() -> type:
+    """A LightningModule class for real fits in a world of one (Lightning imported here)."""
     import lightning.pytorch as pl  # noqa: PLC0415
-    from torch.utils.data import DataLoader, TensorDataset  # noqa: PLC0415
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:
@@ -326,6 +326,14 @@ def test_the_fast_loop_state_equals_lightnings_own_mid_fit():
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    return Tiny
+
+
+def test_the_fast_loop_state_equals_lightnings_own_mid_fit():
+    import lightning.pytorch as pl  # noqa: PLC0415
+    from torch.utils.data import DataLoader, TensorDataset  # noqa: PLC0415
+
+    Tiny = tiny_module()
     seen: list[tuple[dict[str, Any], dict[str, Any]]] = []
 
     class Compare(pl.Callback):
@@ -351,17 +359,7 @@ def test_a_commit_rescaled_to_the_start_of_its_epoch_resumes_at_the_first_batch(
     import lightning.pytorch as pl  # noqa: PLC0415
     from torch.utils.data import DataLoader, TensorDataset  # noqa: PLC0415
 
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return self.layer(batch[0]).sum()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+    Tiny = tiny_module()
     path = tmp_path / "commit.ckpt"
 
     class CommitAtEpoch1Batch0(pl.Callback):
