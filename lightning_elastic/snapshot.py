@@ -229,11 +229,10 @@ class Committed:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def tree(self, clone: bool = True, key: Any = None) -> Any:
-        """The committed tree (or its top-level item ``key``); ``clone=False`` hands out the
-        buffers themselves, for a consumer that only copies out of them."""
-        skeleton = self.skeleton if key is None else self.skeleton[key]
-        return join(skeleton, self.tensors, clone)
+    def tree(self, clone: bool = True) -> Any:
+        """The committed tree; ``clone=False`` hands out the buffers themselves, for a
+        consumer that only copies out of them."""
+        return join(self.skeleton, self.tensors, clone)
 
 
 class HostSnapshot:
@@ -319,11 +318,6 @@ class HostSnapshot:
             log.warning("A commit's copy to host memory failed (%s); the previous commit stays.", err)
             return
         self._promote(commit)
-
-    def abandon(self) -> None:
-        """Forget a copy still running (its source is being torn down): the last promoted
-        commit stays, and its buffers are not reused for a new one."""
-        self._pending = None
 
     # ----- reading ----------------------------------------------------------------------
 

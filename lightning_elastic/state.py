@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_elastic import transfer
-from lightning_elastic.snapshot import HostSnapshot, join
+from lightning_elastic.snapshot import Committed, HostSnapshot, join
 from lightning_elastic.worker import ElasticWorker
 
 
@@ -116,7 +116,7 @@ class ObjectState(State):
     def _tree(self, with_stateful: bool = True) -> dict[str, Any]:
         return {"values": self._plain_values()}
 
-    def _load(self, committed: Any) -> None:
+    def _load(self, committed: Committed) -> None:
         for name, value in join(committed.skeleton["values"], committed.tensors, clone=True).items():
             object.__setattr__(self, name, value)
 
@@ -170,7 +170,7 @@ class TorchState(ObjectState):
         stateful = {n: v.state_dict() for n, v in self._stateful().items()} if with_stateful else {}
         return {"values": self._plain_values(), "stateful": stateful}
 
-    def _load(self, committed: Any) -> None:
+    def _load(self, committed: Committed) -> None:
         super()._load(committed)
         saved = committed.skeleton.get("stateful", {})
         for name, obj in self._stateful().items():
