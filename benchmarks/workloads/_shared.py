@@ -16,7 +16,6 @@ nothing to carry across an elastic reset but the step counter.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
@@ -83,28 +82,9 @@ def train_step(module: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     optimizer.step()
 
 
-def tensor_bytes(value: Any) -> int:
-    """Bytes of every tensor in a (nested) dict / list / tuple / tensor."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(v) for v in value)
-    return 0
-
-
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors a commit holds: the model's state_dict and the optimizer's state."""
     found: list[torch.Tensor] = list(model.state_dict().values())
     for per_param in optimizer.state.values():
         found += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
     return found
-
-
-def committed_bytes(state: Any) -> int | None:
-    """Bytes of tensors in a ``le.State``'s last commit (``committed_bytes``, or older versions' field)."""
-    if hasattr(type(state), "committed_bytes"):
-        return int(state.committed_bytes)
-    saved = getattr(state, "_saved_stateful", None)  # lightning_elastic before the snapshot engine
-    return tensor_bytes(saved) if saved is not None else None

@@ -65,7 +65,7 @@ def main() -> None:
             method()
             elapsed = time.perf_counter() - start
             (warmup if round_ < args.warmup else seconds)[name].append(elapsed)
-    saved = sh.committed_bytes(state)
+    saved = state.committed_bytes
     result = {
         "model": spec.name,
         "bytes": saved,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import inspect
 import os
 import signal
 from pathlib import Path
@@ -31,17 +30,14 @@ from steplog import StepLog
 
 
 def elastic_callback(commit_every: int | None, check_every: int | None) -> pl.Callback:
-    """``le.ElasticCallback`` with these intervals (None: the callback's default), under the
-    option names this version of lightning_elastic has (``*_n_steps``, formerly ``*_n_batches``)."""
+    """``le.ElasticCallback`` with these intervals (None: the callback's default)."""
     import lightning_elastic as le
 
-    params = inspect.signature(le.ElasticCallback).parameters
-    unit = "steps" if "commit_every_n_steps" in params else "batches"
     kwargs: dict[str, int] = {}
     if commit_every is not None:
-        kwargs[f"commit_every_n_{unit}"] = commit_every
+        kwargs["commit_every_n_steps"] = commit_every
     if check_every is not None:
-        kwargs[f"check_every_n_{unit}"] = check_every
+        kwargs["check_every_n_steps"] = check_every
     return le.ElasticCallback(**kwargs)
 
 

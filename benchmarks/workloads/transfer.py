@@ -137,7 +137,7 @@ def main() -> None:
             out["samples"].append(sampler.samples)
             out["peak_hwm"].append(vm_hwm() if out["hwm_reset"] else None)
             out["live_bytes"].append(sum(t.numel() * t.element_size() for t in sh.state_tensors(model, optimizer)))
-            out["committed_bytes"].append(sh.committed_bytes(state))
+            out["committed_bytes"].append(state.committed_bytes)
             flat = torch.zeros(state_bytes, dtype=torch.uint8)
             dist.barrier()
             start = time.perf_counter()
