@@ -87,12 +87,18 @@ def test_job_on_three_remote_hosts_trains_to_the_end(job: Job, hosts: Namespaced
     assert_replicas_identical(job)
 
 
-def test_remote_worker_sigkilled_survivors_go_on_in_the_same_processes(job: Job, hosts: NamespacedHosts) -> None:
+def start_on_three_hosts(job: Job, hosts: NamespacedHosts) -> tuple[str, str, str]:
+    """A 3-epoch job with one worker on each remote host, once it trains at world size 3."""
     h1, h2, h3 = hosts.names
     job.start(launch_args(hosts, "-np", "3", "--min-np", "1", "-H", f"{h1}:1,{h2}:1,{h3}:1"),
               [*STEADY, "--epochs", "3"])
     job.wait_rounds(1)
     job.wait_steps(5)
+    return h1, h2, h3
+
+
+def test_remote_worker_sigkilled_survivors_go_on_in_the_same_processes(job: Job, hosts: NamespacedHosts) -> None:
+    h1, h2, h3 = start_on_three_hosts(job, hosts)
     before = {h: worker_pids(job, h) for h in (h1, h3)}
     os.kill(job.worker_pid(h2), signal.SIGKILL)
     assert job.wait() == 0, job.stderr()[-3000:]
@@ -109,11 +115,7 @@ def test_remote_worker_sigkilled_survivors_go_on_in_the_same_processes(job: Job,
 def test_remote_worker_sigterm_is_a_graceful_leave(job: Job, hosts: NamespacedHosts) -> None:
     # The machine's own orchestrator announces a preemption: the worker asks the driver, over
     # the network, to leave; nothing is rolled back and the host is not blacklisted.
-    h1, h2, h3 = hosts.names
-    job.start(launch_args(hosts, "-np", "3", "--min-np", "1", "-H", f"{h1}:1,{h2}:1,{h3}:1"),
-              [*STEADY, "--epochs", "3"])
-    job.wait_rounds(1)
-    job.wait_steps(5)
+    h1, h2, h3 = start_on_three_hosts(job, hosts)
     os.kill(job.worker_pid(h2), signal.SIGTERM)
     assert job.wait() == 0, job.stderr()[-3000:]
     err = job.stderr()
