@@ -153,7 +153,8 @@ class ElasticWorker:
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._backend: BackendChoice | None = None
-        self._group_connections: frozenset[group_sockets.Connection] = frozenset()
+        # The gloo connections of the group formed for round N: (N, connections).
+        self._group_connections: tuple[int, frozenset[group_sockets.Connection]] = (0, frozenset())
 
     @classmethod
     def from_environment(
@@ -260,7 +261,7 @@ class ElasticWorker:
         excluded = {(driver.hostname or "", driver.port or 0)}
         connections = group_sockets.new_connections(before, group_sockets.established(), excluded)
         with self._lock:
-            self._group_connections = connections
+            self._group_connections = (a.round, connections)
 
     @staticmethod
     def _publish_environment(a: p.Assignment) -> None:
@@ -414,20 +415,25 @@ class ElasticWorker:
                 self._seen_generation = max(self._seen_generation, reply.generation)
                 newly_broken = reply.last_broken_round > self._last_broken_round
                 self._last_broken_round = max(self._last_broken_round, reply.last_broken_round)
-            a = self._assignment
-            if newly_broken and a is not None and reply.last_broken_round == a.round:
-                self._unblock_collectives()
+            if newly_broken:
+                self._unblock_collectives(reply.last_broken_round)
 
-    def _unblock_collectives(self) -> None:
+    def _unblock_collectives(self, broken_round: int) -> None:
         """The round lost a member: make a collective stuck waiting for it raise now.
 
         A dead peer usually fails a gloo collective within milliseconds, but one behind a
         partition sends nothing, and NCCL often hangs rather than fails: without this the
         survivors would wait for the process-group timeout.
         """
+        a = self._assignment
+        if a is None or a.round != broken_round:
+            return  # already in a later round: its group is healthy
         if self.backend == "nccl":
             destroy_round_group(abort=True)  # abort the communicator; @run re-forms
             return
         with self._lock:
-            connections = self._group_connections
-        group_sockets.shut_down(connections)
+            formed_in, connections = self._group_connections
+        # Checked under the lock against the connections themselves: the main thread may
+        # have formed the next round's group since the assignment was read above.
+        if formed_in == broken_round:
+            group_sockets.shut_down(connections)

@@ -3,6 +3,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +21,24 @@ from tests.integration.namespaces import HostsUnavailable, NamespacedHosts
 REPORT_ENV = "LIGHTNING_ELASTIC_CHAOS_REPORT"
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    # Kept on the item so that the job fixture knows, at teardown, whether the test failed.
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
 def job(tmp_path, request: pytest.FixtureRequest) -> Iterator[Job]:
     """A launch in its own directory; afterwards no process of it may be left running."""
     j = Job(tmp_path)
     started = time.monotonic()
     yield j
+    call = getattr(request.node, "report_call", None)
+    if call is not None and call.failed:
+        # A failure in CI can rarely be reproduced: keep what the job was doing.
+        request.node.add_report_section("teardown", "job", diagnosis(j))
     j.kill()
     report = os.environ.get(REPORT_ENV)
     if report and j.proc is not None:
@@ -36,6 +51,26 @@ def job(tmp_path, request: pytest.FixtureRequest) -> Iterator[Job]:
         for proc in stray:
             proc.kill()
         pytest.fail(f"processes left behind after the driver exited: {[p.pid for p in stray]}")
+
+
+def diagnosis(job: Job) -> str:
+    """The driver's last output and the Python stacks of the job's processes still running."""
+    parts = [f"--- driver stderr (last 4000 characters) ---\n{job.stderr()[-4000:]}"]
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    processes = job.stray_processes()
+    if job.proc is not None and job.proc.poll() is None:
+        parts.append(f"driver pid {job.proc.pid} still running")
+    for proc in processes:
+        if py_spy is None:
+            parts.append(f"--- pid {proc.pid}: py-spy not installed, no stack ---")
+            continue
+        try:
+            out = subprocess.run([py_spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True,
+                                 timeout=20)
+            parts.append(f"--- pid {proc.pid} ---\n{out.stdout}{out.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as err:
+            parts.append(f"--- pid {proc.pid}: py-spy failed: {err} ---")
+    return "\n".join(parts)
 
 
 def record_launch(report: Path, test: str, job: Job, wall: float) -> None:
