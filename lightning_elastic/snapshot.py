@@ -57,13 +57,15 @@ class TensorSpec:
         return count * self.dtype.itemsize
 
 
-def split(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+def split(tree: Any, tensors: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
     """``(skeleton, tensors)``: the tree's tensors in order, the rest copied.
 
     Only dense tensors are taken out; a sparse or quantized tensor (rare in a state) stays
-    in the skeleton as a fresh host copy.
+    in the skeleton as a fresh host copy. Given ``tensors``, the tree's are appended to it
+    (their slots numbered after the ones already there): several parts, one commit.
     """
-    tensors: list[torch.Tensor] = []
+    if tensors is None:
+        tensors = []
 
     def visit(value: Any) -> Any:
         if type(value) in _SCALARS:
@@ -266,6 +268,11 @@ class HostSnapshot:
     def capture(self, tree: Any, meta: Any = None) -> None:
         """Commit ``tree``: its tensors copied into the spare buffers, then promoted."""
         skeleton, sources = split(tree)
+        self.capture_split(skeleton, sources, meta)
+
+    def capture_split(self, skeleton: Any, sources: Sequence[torch.Tensor], meta: Any = None) -> None:
+        """Commit a tree already split: ``skeleton`` (kept as given: it must not change
+        afterwards) with ``sources`` copied into its slots."""
         specs = specs_of(sources)
         self._settle()
         self._choose_copier(sources)

@@ -57,6 +57,14 @@ def take_commit(
     snapshot.capture(checkpoint, CommitInfo(world_size, global_step, sampler, compat.collect_rng_states()))
 
 
+def take_split_commit(
+    snapshot: HostSnapshot, skeleton: Any, sources: list[torch.Tensor], world_size: int, global_step: int,
+    sampler: SamplerPosition | None,
+) -> None:
+    """``take_commit`` of a checkpoint already split (``capture.CheckpointCapture``)."""
+    snapshot.capture_split(skeleton, sources, CommitInfo(world_size, global_step, sampler, compat.collect_rng_states()))
+
+
 def commit_info(snapshot: HostSnapshot) -> CommitInfo | None:
     committed = snapshot.committed()
     return None if committed is None else committed.meta

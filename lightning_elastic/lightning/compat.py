@@ -30,6 +30,7 @@ __all__ = [
     "batch_progress",
     "collect_rng_states",
     "dump_checkpoint",
+    "fit_loop_state_dict",
     "forget_dataloaders",
     "is_fit_function",
     "logger_version",
@@ -73,16 +74,29 @@ def loops_state_dict(trainer: pl.Trainer) -> dict[str, Any]:
     return {name: _loop_state(getattr(trainer, name), {}, "") for name in _LOOP_NAMES}
 
 
-def _loop_state(loop: _Loop, destination: dict[str, Any], prefix: str) -> dict[str, Any]:
+def fit_loop_state_dict(trainer: pl.Trainer, copy_loop_state: Callable[[Any], Any]) -> dict[str, Any]:
+    """``loops_state_dict(trainer)["fit_loop"]``: the only loop whose state changes during a fit.
+
+    Progress counters come out as fresh dicts of numbers; what the loops' own
+    ``on_save_checkpoint`` returns (data loader states: anything) goes through ``copy_loop_state``.
+    """
+    return _loop_state(trainer.fit_loop, {}, "", copy_loop_state)
+
+
+def _loop_state(loop: _Loop, destination: dict[str, Any], prefix: str,
+                copy_loop_state: Callable[[Any], Any] = lambda state: state) -> dict[str, Any]:
     """``_Loop.state_dict`` with a progress dataclass turned into a dict without deep copies."""
     if type(loop).state_dict is not _Loop.state_dict:
-        return loop.state_dict(destination, prefix)  # a loop with its own state: trust it
-    destination[prefix + "state_dict"] = loop.on_save_checkpoint()
+        # A loop with its own state: trust it, copied whole.
+        own = copy_loop_state(loop.state_dict({}, prefix))
+        destination.update(own)
+        return destination
+    destination[prefix + "state_dict"] = copy_loop_state(loop.on_save_checkpoint())
     for key, value in loop.__dict__.items():
         if isinstance(value, _BaseProgress):
             destination[prefix + key] = _progress_state(value)
         elif isinstance(value, _Loop):
-            _loop_state(value, destination, prefix + key + ".")
+            _loop_state(value, destination, prefix + key + ".", copy_loop_state)
     return destination
 
 

@@ -32,8 +32,9 @@ from lightning_elastic.lightning.commit import (
     checkpoint_for_lightning,
     commit_info,
     receive_commit,
-    take_commit,
+    take_split_commit,
 )
+from lightning_elastic.lightning.capture import CheckpointCapture
 from lightning_elastic.process_group import validate_backend, validate_timeout
 from lightning_elastic.sampler import ElasticSampler
 from lightning_elastic.snapshot import HostSnapshot
@@ -120,6 +121,7 @@ class ElasticStrategy(DDPStrategy):
             worker.configure_collectives(self._collective_timeout, self._requested_backend)
         compat.ignore_mid_epoch_resume_warning()
         self.snapshot = HostSnapshot()  # the in-memory commit, kept across fit attempts
+        self._capture = CheckpointCapture()
         self._restore: RestorePlan | None = None
         self._resumed_world_size: int | None = None  # set when a fit resumed from a commit
         self._sampler: ElasticSampler | None = None
@@ -179,8 +181,8 @@ class ElasticStrategy(DDPStrategy):
                 dataset_size=self._sampler.dataset_size,
                 batch_size=self._sampler.batch_size,
             )
-        take_commit(self.snapshot, compat.dump_checkpoint(trainer), self.worker.assignment.size,
-                    trainer.global_step, position)
+        skeleton, sources = self._capture.capture(trainer)
+        take_split_commit(self.snapshot, skeleton, sources, self.worker.assignment.size, trainer.global_step, position)
         self.worker.note_commit()
 
     @property
@@ -260,6 +262,7 @@ class ElasticStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._capture.new_attempt()
         trainer = self.lightning_module.trainer
         resumed_from, self._resumed_world_size = self._resumed_world_size, None
         if resumed_from is not None:
