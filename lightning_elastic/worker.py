@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import urllib.parse
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,8 @@ from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.driver_store import DriverStore
-from lightning_elastic.errors import HostsUpdatedInterrupt, RendezvousError
+from lightning_elastic.errors import RendezvousError
+from lightning_elastic.host_check import HostCheck
 from lightning_elastic.preemption import PreemptionHandler
 from lightning_elastic.process_group import (
     BackendChoice,
@@ -118,15 +118,6 @@ def _read_secret(environ: os._Environ | dict[str, str]) -> str:
     return b"".join(chunks).decode()
 
 
-@dataclasses.dataclass(frozen=True)
-class _PendingCheck:
-    """A host check's all-reduce, started at one ``check_host_updates`` and read at the next."""
-
-    round: int
-    flag: torch.Tensor
-    work: Any
-
-
 class ElasticWorker:
     def __init__(
         self,
@@ -142,7 +133,7 @@ class ElasticWorker:
         self._collective_timeout = collective_timeout  # None: the launcher's --collective-timeout
         self._requested_backend = backend  # None: NCCL with CUDA, else gloo
         self._commits_in_round = 0
-        self._pending_check: _PendingCheck | None = None
+        self._host_check: HostCheck | None = None  # the current round's
         self._preemption: PreemptionHandler | None = None
         self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
         self._store: DriverStore | None = None
@@ -232,9 +223,10 @@ class ElasticWorker:
                 raise RendezvousError(f"no round was formed within {self.settings.elastic_timeout:g} s")
         self._assignment = reply.assignment
         self._commits_in_round = 0
-        self._pending_check = None  # the last round's, gone with its group
+        self._host_check = None  # the last round's, gone with its group
         self._publish_environment(reply.assignment)
         self._form_group()
+        self._host_check = HostCheck(reply.assignment.round, reply.assignment.generation, self.device)
 
     def _form_group(self) -> None:
         a = self._assignment
@@ -302,29 +294,15 @@ class ElasticWorker:
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank at once if hosts changed.
 
-        Each rank knows the newest generation its heartbeat saw; one MAX all-reduce makes
-        that knowledge common, so all ranks decide alike at the same call. The all-reduce
-        runs in the background between two calls: each call reads the one the previous
-        call started (done by then, so no wait) and starts the next, which keeps the
-        round trip off the training step. A change is seen one check later; every rank
-        still raises at the same call.
+        See ``lightning_elastic.host_check``: one background all-reduce makes the newest
+        generation any rank's heartbeat saw common knowledge; calls that come faster than
+        ``CHECK_PERIOD_S`` apart share one, and every rank raises at the same call.
         """
-        if self.settings is None:
+        if self.settings is None or self._host_check is None:
             return
-        a = self.assignment
-        pending, self._pending_check = self._pending_check, None
-        if pending is not None and pending.round == a.round:
-            pending.work.wait()
-            newest = int(pending.flag.item())
-            if newest > a.generation:
-                raise HostsUpdatedInterrupt(
-                    f"hosts changed (generation {newest}, round {a.round} formed at {a.generation})"
-                )
         with self._lock:
             seen = self._seen_generation
-        flag = torch.tensor([seen], dtype=torch.int64, device=self.device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-        self._pending_check = _PendingCheck(a.round, flag, work)
+        self._host_check.check(seen)
 
     def note_commit(self) -> None:
         """Count a commit: the driver tells a repeating error from one that makes progress."""

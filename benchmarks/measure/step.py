@@ -1,6 +1,6 @@
 """Steady step time, 3 workers on this machine: lightning-elastic against the same work under torchrun.
 
-Per model, five variants, each a whole job run to its end (trials interleaved):
+Per model, six variants, each a whole job run to its end (trials interleaved):
 
 - ``lightning/ddp``: workloads/lightning_train.py, Lightning ``ddp`` under
   ``torchrun --standalone --nproc-per-node 3`` (the peer);
@@ -9,7 +9,9 @@ Per model, five variants, each a whole job run to its end (trials interleaved):
 - ``lightning/elastic-commit10``: the same with a commit every 10 steps, a check every step;
 - ``loop/torchrun``: workloads/loop.py, a plain DDP loop under torchrun (the peer);
 - ``loop/le.run``: the same loop in ``@le.run`` under the launcher, ``state.commit()`` every
-  10 steps and ``state.check_host_updates()`` every step.
+  10 steps and ``state.check_host_updates()`` every step;
+- ``loop/le.run-bare``: the same loop in ``@le.run`` with no commit and no check (what the
+  launcher itself costs).
 
 Steady step: median interval between rank 0's consecutive completed steps after the
 warm-up steps. A trial's ratio is elastic / peer of the same trial index.
@@ -66,6 +68,10 @@ VARIANTS = [
     Variant("loop/torchrun", "DDP loop, torchrun", None, "loop.py", (), False),
     Variant("loop/le.run", "@le.run loop, commit every 10 steps, check every step", "loop/torchrun", "loop.py",
             ("--commit-every", "10", "--check-every", "1"), True),
+    # The same loop under the launcher with no elastic call in it: what the launcher, the
+    # worker's heartbeat thread and the round's process group cost by themselves.
+    Variant("loop/le.run-bare", "@le.run loop, no commit or check", "loop/torchrun", "loop.py",
+            ("--commit-every", "1000000000", "--check-every", "1000000000"), True),
 ]
 
 
