@@ -69,18 +69,32 @@ def nccl_environment(environ: dict[str, str] | os._Environ) -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
+# How long gloo may take to connect a round's peers to each other once their addresses are
+# in the store. gloo waits for a connection from a peer for five times the group's
+# timeout: when a peer dies between publishing its address and connecting, the others
+# waited 5 x --collective-timeout (hours) before this bound (reproduced in
+# tests/unit/test_process_group.py). Live peers connect within milliseconds of each other;
+# the wait for their addresses is the store's, bounded and interruptible on its own.
+GLOO_CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
+
+
 def init_round_group(
     store: dist.Store, round_number: int, rank: int, size: int, choice: BackendChoice,
-    timeout: datetime.timedelta,
+    timeout: datetime.timedelta, connect_timeout: datetime.timedelta = GLOO_CONNECT_TIMEOUT,
 ) -> None:
+    """Form the round's default process group; its collectives get ``timeout``."""
     if choice.backend == "nccl":
         os.environ.update(nccl_environment(os.environ))
         torch.cuda.set_device(choice.device)
     prefixed = dist.PrefixStore(f"lightning_elastic/round/{round_number}", store)  # it adds the "/"
     kwargs = {"device_id": choice.device} if choice.backend == "nccl" else {}
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    forming = min(timeout, connect_timeout) if choice.backend == "gloo" and set_timeout is not None else timeout
     dist.init_process_group(
-        choice.backend, store=prefixed, rank=rank, world_size=size, timeout=timeout, **kwargs
+        choice.backend, store=prefixed, rank=rank, world_size=size, timeout=forming, **kwargs
     )
+    if forming != timeout:
+        set_timeout(timeout)  # the formation's bound must not become the collectives' timeout
 
 
 def destroy_round_group(abort: bool = False) -> None:

@@ -197,3 +197,68 @@ def test_round_group_on_a_tcp_store(clean_world):
     assert dist.get_world_size() == 1
     destroy_round_group()
     assert not dist.is_initialized()
+
+
+def test_the_formed_group_has_the_collective_timeout_not_the_connect_bound(clean_world):
+    long = datetime.timedelta(seconds=1800)
+    init_round_group(dist.HashStore(), 1, 0, 1, GLOO, long, connect_timeout=datetime.timedelta(seconds=2))
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert backend.options._timeout == long
+
+
+# ----- a peer that dies between publishing its address and connecting --------------------
+
+_RANK_SCRIPT = r"""
+import datetime, os, signal, sys, time
+import torch.distributed as dist
+from lightning_elastic.process_group import BackendChoice, init_round_group
+import torch
+
+rank, path = int(sys.argv[1]), sys.argv[2]
+store = dist.FileStore(path, 3)
+
+class DiesAfterPublishing(dist.Store):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+    def set(self, key, value):
+        self.inner.set(key, value)
+        os.kill(os.getpid(), signal.SIGKILL)  # its address is in the store; it never connects
+    def get(self, key):
+        return self.inner.get(key)
+    def wait(self, keys, timeout=None):
+        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
+    def check(self, keys):
+        return self.inner.check(keys)
+
+started = time.monotonic()
+try:
+    init_round_group(DiesAfterPublishing(store) if rank == 2 else store, 1, rank, 3,
+                     BackendChoice("gloo", torch.device("cpu")), datetime.timedelta(seconds=1800),
+                     connect_timeout=datetime.timedelta(seconds=1))
+    print("formed")
+except Exception:
+    print(f"raised after {time.monotonic() - started:.1f} s")
+"""
+
+
+def test_a_peer_dying_after_publishing_its_address_fails_the_formation_within_the_connect_bound(tmp_path):
+    # Before the bound, the survivors waited 5 x the collective timeout (the chaos case
+    # "second worker killed during the re-formation" hung CI this way).
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(r), str(store)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for r in range(3)]
+    try:
+        outputs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[2].returncode == -9
+    for out in outputs[:2]:
+        assert out.startswith("raised after"), outputs
+        assert float(out.split()[2]) < 30, outputs  # 5 x the 1 s bound, with room for a loaded machine
