@@ -15,7 +15,8 @@ and the smallest proposal is taken. Every rank reads the same agreed number at t
 call, so every rank still does its collectives, and raises, at the same calls.
 
 A change is acted on at most two collectives after the heartbeat saw it: about
-``2 * CHECK_PERIOD_S`` when calls are frequent, the next-but-one call when they are not.
+``2 * CHECK_PERIOD_S`` when calls are frequent and steady, the next-but-one call when they
+are slower than that, and never more than ``2 * MAX_CALLS_APART`` calls later.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from lightning_elastic.errors import HostsUpdatedInterrupt
 
 # Calls closer together than this share one collective (see the module doc).
 CHECK_PERIOD_S = 0.1
-# Never more calls than this between two collectives, however fast the calls come.
-MAX_CALLS_APART = 1000
+# Never more calls than this between two collectives, however fast the calls come. The
+# spacing is agreed in calls from the rate measured before: when the calls slow down (a
+# joiner importing torch on the same cores made steps 15x slower in a test), a change
+# waits for up to this many of the slow calls.
+MAX_CALLS_APART = 20
 
 
 def calls_until_next(elapsed_s: float, calls: int, period_s: float = CHECK_PERIOD_S,
@@ -42,7 +46,7 @@ def calls_until_next(elapsed_s: float, calls: int, period_s: float = CHECK_PERIO
     given that the last ``calls`` calls took ``elapsed_s`` seconds (at least 1)."""
     if calls <= 0 or elapsed_s <= 0:
         return 1
-    return max(1, min(max_calls, int(period_s * calls / elapsed_s)))
+    return max(1, min(max_calls, int(period_s * calls / elapsed_s + 1e-9)))  # 4.99999... is 5
 
 
 class Work(Protocol):

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(60)
         (0.5, 1, 1),  # calls slower than the period: a collective at every call
         (CHECK_PERIOD_S, 1, 1),
         (0.01, 1, 10),  # 10 ms per call: 10 calls per period
-        (0.01, 4, 40),  # 2.5 ms per call
+        (0.01, 2, 20),  # 5 ms per call
+        (0.01, 4, MAX_CALLS_APART),  # 2.5 ms per call: 40 per period, capped
         (1e-9, 1, MAX_CALLS_APART),  # absurdly fast calls are capped
         (-1.0, 3, 1),  # a clock that went backwards proves nothing
     ],
@@ -104,17 +105,24 @@ def test_a_change_seen_by_one_rank_is_raised_by_every_rank_at_the_same_call() ->
             break
     else:
         pytest.fail("the change was never raised")
-    assert 250 < call <= 250 + 2 * 50 + 2, call  # two collectives after it was seen, at 50 calls apart
+    assert 250 < call <= 250 + 2 * MAX_CALLS_APART + 2, call  # two collectives after it was seen
     assert len(set(collective.started.values())) == 1  # every rank did the same collectives
 
 
-def test_fast_calls_share_collectives_at_the_pace_of_the_fastest_rank() -> None:
-    collective, clocks, checks = ranks(2, [0.001, 0.004])  # 100 and 25 calls per period
+def test_fast_calls_share_collectives_spaced_for_the_rank_that_calls_less_often() -> None:
+    collective, clocks, checks = ranks(2, [0.01, 0.02])  # 10 and 5 calls per period
     for _ in range(1000):
         assert call_all(checks, clocks, [1, 1]) == [False, False]
         assert checks[0].collectives_due_at == checks[1].collectives_due_at
-    # After the first two (one call apart), 25 calls apart: the rank that calls less often sets it.
-    assert 38 <= collective.started[0] <= 44, collective.started[0]
+    # After the first two (one call apart), 5 calls apart: the rank that calls less often sets it.
+    assert 198 <= collective.started[0] <= 202, collective.started[0]
+
+
+def test_very_fast_calls_are_capped_at_max_calls_apart() -> None:
+    collective, clocks, checks = ranks(2, [0.0001, 0.0001])
+    for _ in range(1000):
+        call_all(checks, clocks, [1, 1])
+    assert 1000 // MAX_CALLS_APART <= collective.started[0] <= 1000 // MAX_CALLS_APART + 3
 
 
 def test_slow_calls_do_a_collective_at_every_call() -> None:
