@@ -43,10 +43,16 @@ MAX_CALLS_APART = 20
 def calls_until_next(elapsed_s: float, calls: int, period_s: float = CHECK_PERIOD_S,
                      max_calls: int = MAX_CALLS_APART) -> int:
     """How many calls apart the collectives should be for about ``period_s`` between them,
-    given that the last ``calls`` calls took ``elapsed_s`` seconds (at least 1)."""
+    given that the last ``calls`` calls (the last spacing) took ``elapsed_s`` seconds.
+
+    At least 1; at most twice the last spacing, so that one burst of calls (two commits at
+    an epoch's end) cannot space the collectives out by more than that: measured over a
+    longer spacing next time, slower calls bring it back down at once.
+    """
     if calls <= 0 or elapsed_s <= 0:
         return 1
-    return max(1, min(max_calls, int(period_s * calls / elapsed_s + 1e-9)))  # 4.99999... is 5
+    by_rate = int(period_s * calls / elapsed_s + 1e-9)  # 4.99999... is 5
+    return max(1, min(max_calls, 2 * calls, by_rate))
 
 
 class Work(Protocol):

@@ -23,10 +23,12 @@ pytestmark = pytest.mark.timeout(60)
         (0.0, 0, 1),  # nothing measured yet
         (0.5, 1, 1),  # calls slower than the period: a collective at every call
         (CHECK_PERIOD_S, 1, 1),
-        (0.01, 1, 10),  # 10 ms per call: 10 calls per period
-        (0.01, 2, 20),  # 5 ms per call
-        (0.01, 4, MAX_CALLS_APART),  # 2.5 ms per call: 40 per period, capped
-        (1e-9, 1, MAX_CALLS_APART),  # absurdly fast calls are capped
+        (0.01, 1, 2),  # 10 ms per call, but at most twice the last spacing of 1 call
+        (0.05, 5, 10),  # 10 ms per call, 5 calls apart: 10
+        (0.04, 8, 16),  # 5 ms per call: 20 per period, at most twice 8
+        (0.08, 16, MAX_CALLS_APART),  # 5 ms per call, 16 apart: 20, the cap
+        (1e-9, 1, 2),  # one burst of calls doubles the spacing, no more
+        (1e-9, 19, MAX_CALLS_APART),  # absurdly fast calls are capped
         (-1.0, 3, 1),  # a clock that went backwards proves nothing
     ],
 )
@@ -115,14 +117,14 @@ def test_fast_calls_share_collectives_spaced_for_the_rank_that_calls_less_often(
         assert call_all(checks, clocks, [1, 1]) == [False, False]
         assert checks[0].collectives_due_at == checks[1].collectives_due_at
     # After the first two (one call apart), 5 calls apart: the rank that calls less often sets it.
-    assert 198 <= collective.started[0] <= 202, collective.started[0]
+    assert 198 <= collective.started[0] <= 206, collective.started[0]  # 1000 / 5, and the ramp up
 
 
 def test_very_fast_calls_are_capped_at_max_calls_apart() -> None:
     collective, clocks, checks = ranks(2, [0.0001, 0.0001])
     for _ in range(1000):
         call_all(checks, clocks, [1, 1])
-    assert 1000 // MAX_CALLS_APART <= collective.started[0] <= 1000 // MAX_CALLS_APART + 3
+    assert 1000 // MAX_CALLS_APART <= collective.started[0] <= 1000 // MAX_CALLS_APART + 8  # and the ramp up
 
 
 def test_slow_calls_do_a_collective_at_every_call() -> None:
@@ -153,3 +155,16 @@ def _real_ranks(rank: int, worker: FakeWorker) -> list[int]:
 def test_real_gloo_ranks_raise_at_the_same_call() -> None:
     results = run_ranks(2, _real_ranks)
     assert results[0] == results[1] and results[0][0] > 30, results
+
+
+def test_a_burst_of_calls_does_not_space_out_slow_calls() -> None:
+    """Two commits at an epoch's end, then steps 0.5 s apart: a change is still raised soon."""
+    collective, clocks, checks = ranks(2, [0.5, 0.5])
+    bursts = {5, 6}  # calls that come a millisecond after the one before
+    for call in range(1, 60):
+        for clock in clocks:
+            clock.step = 0.001 if call in bursts else 0.5
+        raised = call_all(checks, clocks, [2, 2] if call >= 8 else [1, 1])
+        if raised[0]:
+            break
+    assert call <= 8 + 2 * 2 + 1, call  # not 20 slow calls later

@@ -152,6 +152,9 @@ dist.init_process_group("gloo", store=dist.PrefixStore("lightning_elastic/round/
 t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
 print(t.item())
+# As a worker does at its end: a group left to interpreter shutdown can abort the process
+# ("terminate called without an active exception") while gloo still holds the Python store.
+dist.destroy_process_group()
 """
 
 
