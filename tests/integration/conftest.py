@@ -3,9 +3,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,20 +53,9 @@ def job(tmp_path, request: pytest.FixtureRequest) -> Iterator[Job]:
 def diagnosis(job: Job) -> str:
     """The driver's last output and the Python stacks of the job's processes still running."""
     parts = [f"--- driver stderr (last 4000 characters) ---\n{job.stderr()[-4000:]}"]
-    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
-    processes = job.stray_processes()
     if job.proc is not None and job.proc.poll() is None:
         parts.append(f"driver pid {job.proc.pid} still running")
-    for proc in processes:
-        if py_spy is None:
-            parts.append(f"--- pid {proc.pid}: py-spy not installed, no stack ---")
-            continue
-        try:
-            out = subprocess.run([py_spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True,
-                                 timeout=20)
-            parts.append(f"--- pid {proc.pid} ---\n{out.stdout}{out.stderr}")
-        except (OSError, subprocess.TimeoutExpired) as err:
-            parts.append(f"--- pid {proc.pid}: py-spy failed: {err} ---")
+    parts.append(job.stacks())
     return "\n".join(parts)
 
 

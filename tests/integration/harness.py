@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,9 +86,28 @@ class Job:
         try:
             self.returncode = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            stacks = self.stacks()  # before the kill: what every process was stuck in
             self.kill()
-            raise AssertionError(f"the job did not end within {timeout} s:\n{self.stderr()[-3000:]}") from None
+            raise AssertionError(
+                f"the job did not end within {timeout} s:\n{self.stderr()[-3000:]}\n{stacks}"
+            ) from None
         return self.returncode
+
+    def stacks(self) -> str:
+        """``py-spy dump --native`` of every process of this job still running (driver included)."""
+        py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        parts = []
+        for proc in self.stray_processes():
+            if py_spy is None:
+                parts.append(f"--- pid {proc.pid}: py-spy not installed, no stack ---")
+                continue
+            try:
+                out = subprocess.run([py_spy, "dump", "--native", "--pid", str(proc.pid)], capture_output=True,
+                                     text=True, timeout=30)
+                parts.append(f"--- pid {proc.pid} ---\n{out.stdout}{out.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as err:
+                parts.append(f"--- pid {proc.pid}: py-spy failed: {err} ---")
+        return "\n".join(parts)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
