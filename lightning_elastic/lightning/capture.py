@@ -5,17 +5,16 @@ dicts, four loops' progress, callbacks, hyper-parameters), and a commit then wal
 it to find the tensors: about 0.4 ms of CPU for a small model, a tenth of its step. Most
 of that dict cannot change between two steps of one fit attempt. So the first commit of
 an attempt takes the full dump and keeps its split form as a template (a
-``CaptureRecipe``); later commits copy only the live tensors into their slots and rebuild
-only the parts a step can change: epoch and step, the fit loop's progress, callback
-states, optimizer param groups and state keys, LR schedulers, the precision plugin.
+``CaptureRecipe``); later commits copy the model's live tensors into their slots and
+rebuild only the parts a step can change: epoch and step, the fit loop's progress,
+callback states, optimizer states, LR schedulers, the precision plugin.
 
-The template is only trusted while it describes the live objects: every model tensor is
-still the one it was taken from, every optimizer holds state of the same shapes for the
-same parameters. Otherwise (a parameter replaced) the commit takes a full dump again and
-a new template. Optimizer states are dumped at every commit: an optimizer may create or
-replace its state tensors at any step. A run whose checkpoint can
-hold anything else that changes (an ``on_save_checkpoint`` hook of the LightningModule,
-the datamodule or a callback, a custom ``state_dict``) takes a full dump at every commit.
+The template is only trusted while every model tensor is still the one it was taken
+from; otherwise (a parameter replaced) the commit takes a full dump again and a new
+template. Optimizer states are dumped at every commit: an optimizer may create or replace
+its state tensors at any step. A run whose checkpoint can hold anything else that changes
+(an ``on_save_checkpoint`` hook of the LightningModule, a callback or the precision
+plugin, a stateful datamodule, a custom ``state_dict``) takes a full dump at every commit.
 """
 
 from __future__ import annotations

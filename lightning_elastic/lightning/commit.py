@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_elastic.lightning import compat
 from lightning_elastic.sampler import epoch_batches_done
-from lightning_elastic.snapshot import Committed, HostSnapshot, join
+from lightning_elastic.snapshot import Committed, HostSnapshot, join, split
 from lightning_elastic.state import broadcast_object
 from lightning_elastic.transfer import broadcast_commit
 from lightning_elastic.worker import ElasticWorker
@@ -54,7 +54,8 @@ def take_commit(
     sampler: SamplerPosition | None,
 ) -> None:
     """Commit a live checkpoint dict, with the RNG states, into ``snapshot``'s host buffers."""
-    snapshot.capture(checkpoint, CommitInfo(world_size, global_step, sampler, compat.collect_rng_states()))
+    skeleton, sources = split(checkpoint)
+    take_split_commit(snapshot, skeleton, sources, world_size, global_step, sampler)
 
 
 def take_split_commit(
