@@ -244,21 +244,33 @@ except Exception:
 """
 
 
-def test_a_peer_dying_after_publishing_its_address_fails_the_formation_within_the_connect_bound(tmp_path):
-    # Before the bound, the survivors waited 5 x the collective timeout (the chaos case
-    # "second worker killed during the re-formation" hung CI this way).
+def _form_with_a_dying_peer(store: str) -> tuple[list[str], int | None]:
+    """Three ranks form a group; rank 2 dies at its first store write. (outputs of 0 and 1, rank 2's status)."""
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(r), str(store)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(r), store], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for r in range(3)]
     try:
         outputs = [p.communicate(timeout=60)[0].strip() for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert procs[2].returncode == -9
-    for out in outputs[:2]:
-        assert out.startswith("raised after"), outputs
-        assert float(out.split()[2]) < 30, outputs  # 5 x the 1 s bound, with room for a loaded machine
+    return outputs[:2], procs[2].returncode
+
+
+def test_a_peer_dying_after_publishing_its_address_fails_the_formation_within_the_connect_bound(tmp_path):
+    # Before the bound, the survivors waited 5 x the collective timeout (the chaos case
+    # "second worker killed during the re-formation" hung CI this way). Rank 2's first store
+    # write is usually its gloo address; once in about ten runs the mesh was already
+    # connected by then and the group formed: such an attempt shows nothing and is repeated.
+    for attempt in range(3):
+        survivors, dying = _form_with_a_dying_peer(str(tmp_path / f"store{attempt}"))
+        assert dying == -9
+        if survivors != ["formed", "formed"]:
+            break
+    else:
+        pytest.fail("rank 2 never died before the mesh was connected in 3 attempts")
+    for out in survivors:
+        assert out.startswith("raised after"), survivors
+        assert float(out.split()[2]) < 30, survivors  # 5 x the 1 s bound, with room for a loaded machine
