@@ -271,6 +271,9 @@ def test_a_peer_dying_after_publishing_its_address_fails_the_formation_within_th
             break
     else:
         pytest.fail("rank 2 never died before the mesh was connected in 3 attempts")
-    for out in survivors:
+    # A survivor rank 2 had already connected to forms; every other one must give up in time.
+    raised = [out for out in survivors if out != "formed"]
+    assert raised, survivors
+    for out in raised:
         assert out.startswith("raised after"), survivors
         assert float(out.split()[2]) < 30, survivors  # 5 x the 1 s bound, with room for a loaded machine
