@@ -289,15 +289,19 @@ class HostSnapshot:
         else:
             self._pending = (commit, pending)
 
+    def has_spare_for(self, specs: tuple[TensorSpec, ...]) -> bool:
+        """Whether ``buffers_for(specs)`` reuses buffers (else it allocates new memory)."""
+        return self._spare is not None and specs_of(self._spare) == specs
+
     def buffers_for(self, specs: tuple[TensorSpec, ...]) -> list[torch.Tensor]:
         """Buffers to write a commit of ``specs`` into: the spare set when it fits, else new.
 
         A commit of another shape (an optimizer that gained state at its first step) gets
         new buffers once; the old ones are dropped.
         """
-        spare = self._spare
-        if spare is not None and specs_of(spare) == specs:
-            return spare
+        if self.has_spare_for(specs):
+            assert self._spare is not None
+            return self._spare
         return allocate(specs, self._copier.pinned)
 
     def receive(self, skeleton: Any, meta: Any, specs: tuple[TensorSpec, ...], buffers: list[torch.Tensor]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_elastic.prefault import Prefaulter
 from lightning_elastic.snapshot import Committed, HostSnapshot, TensorSpec
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -95,9 +96,13 @@ def broadcast_commit(
     box: list[Any] = [header if rank == src else None]
     dist.broadcast_object_list(box, src=src, device=device if device.type == "cuda" else None)
     header = box[0]
+    new_memory = False
     if rank != src:
+        new_memory = not snapshot.has_spare_for(header.specs)
         buffers = snapshot.buffers_for(header.specs)
-    send_tensors(buffers, src, device, chunk_bytes)
+    # New memory (a joiner's) is faulted in alongside the receive, not page by page inside it.
+    with Prefaulter(buffers if new_memory else ()):
+        send_tensors(buffers, src, device, chunk_bytes)
     if rank != src:
         snapshot.receive(header.skeleton, header.meta, header.specs, buffers)
     committed = snapshot.committed()
