@@ -1,11 +1,13 @@
 """Steady step time, 3 workers on this machine: lightning-elastic against the same work under torchrun.
 
-Per model, six variants, each a whole job run to its end (trials interleaved):
+Per model, seven variants, each a whole job run to its end (trials interleaved):
 
 - ``lightning/ddp``: workloads/lightning_train.py, Lightning ``ddp`` under
   ``torchrun --standalone --nproc-per-node 3`` (the peer);
 - ``lightning/elastic-default``: ``elastic_hvd`` under ``lightning-elastic launch -np 3`` on
-  127.0.0.1-3 with ``le.ElasticCallback()`` (commit and host check every step);
+  127.0.0.1-3 with ``le.ElasticCallback()`` (commits paced by their cost, a host check
+  every step);
+- ``lightning/elastic-every-step``: the same with a commit at every step;
 - ``lightning/elastic-commit10``: the same with a commit every 10 steps, a check every step;
 - ``loop/torchrun``: workloads/loop.py, a plain DDP loop under torchrun (the peer);
 - ``loop/le.run``: the same loop in ``@le.run`` under the launcher, ``state.commit()`` every
@@ -61,8 +63,10 @@ class Variant:
 
 VARIANTS = [
     Variant("lightning/ddp", "Lightning ddp, torchrun", None, "lightning_train.py", ("--strategy", "ddp"), False),
-    Variant("lightning/elastic-default", "elastic_hvd, ElasticCallback() (commit + check every step)",
+    Variant("lightning/elastic-default", "elastic_hvd, ElasticCallback() (paced commits, check every step)",
             "lightning/ddp", "lightning_train.py", ("--strategy", "elastic_hvd"), True),
+    Variant("lightning/elastic-every-step", "elastic_hvd, commit + check every step", "lightning/ddp",
+            "lightning_train.py", ("--strategy", "elastic_hvd", "--commit-every", "1", "--check-every", "1"), True),
     Variant("lightning/elastic-commit10", "elastic_hvd, commit every 10 steps, check every step", "lightning/ddp",
             "lightning_train.py", ("--strategy", "elastic_hvd", "--commit-every", "10", "--check-every", "1"), True),
     Variant("loop/torchrun", "DDP loop, torchrun", None, "loop.py", (), False),

@@ -6,7 +6,7 @@
         python benchmarks/workloads/lightning_train.py --strategy elastic_hvd --log-dir D [--commit-every 10]
     python benchmarks/workloads/lightning_train.py --strategy elastic_hvd --commit-every 1   # a world of one
 
-With ``elastic_hvd`` the trainer gets one ``le.ElasticCallback``: the default one (commit and
+With ``elastic_hvd`` the trainer gets one ``le.ElasticCallback``: the default one (paced commits,
 host check every step) unless ``--commit-every`` / ``--check-every`` are given. Every
 completed training step (``on_train_batch_end``, after the elastic callback's commit or
 check) appends a record to ``--log-dir`` (steplog). No logger, checkpointing, progress bar

@@ -11,6 +11,9 @@ every rank of the new world once the state is restored, before training resumes:
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 import warnings
 from typing import Any
 
@@ -19,6 +22,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
 
+log = logging.getLogger(__name__)
+
 # Scaled with the learning rate: param-group keys and scheduler attributes that hold one.
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 _SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
@@ -26,7 +31,7 @@ _SCHEDULER_LR_ATTRIBUTES = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
 
 class ElasticCallback(Callback):
     """Commit the training state every ``commit_every_n_steps`` training steps and check for
-    host changes every ``check_every_n_steps`` (both at a batch end, on every rank alike).
+    host changes every ``check_every_n_steps`` (both at a batch end).
 
     Steps are optimizer steps counted across epochs (``trainer.global_step``), as
     ``ModelCheckpoint(every_n_train_steps=...)`` counts them: with gradient accumulation only
@@ -36,13 +41,22 @@ class ElasticCallback(Callback):
     the old one stopped. When a trainer has several ``ElasticCallback`` instances, the first
     one of exactly this class (else the first subclass) does the committing; the others only
     receive ``on_elastic_reset``.
+
+    ``commit_every_n_steps=None`` (the default) paces commits by their measured cost: a
+    commit at the first step of every fit attempt, then as often as keeps commits to about
+    ``commit_budget`` of the training time (1 %), but at least every ``max_redo_seconds``
+    of training (10 s; what a lost worker can make the others redo). Each rank paces
+    itself: a new world resumes from the newest commit among its ranks. Pass an integer for
+    commits on a fixed grid, 1 for a commit at every step.
     """
 
     def __init__(
         self,
-        commit_every_n_steps: int = 1,
+        commit_every_n_steps: int | None = None,
         check_every_n_steps: int = 1,
         *,
+        commit_budget: float = 0.01,
+        max_redo_seconds: float = 10.0,
         commit_every_n_batches: int | None = None,
         check_every_n_batches: int | None = None,
     ) -> None:
@@ -50,10 +64,13 @@ class ElasticCallback(Callback):
         check_every_n_steps = _renamed("check_every_n_batches", check_every_n_batches, check_every_n_steps)
         for name, value in (("commit_every_n_steps", commit_every_n_steps),
                             ("check_every_n_steps", check_every_n_steps)):
+            if value is None and name == "commit_every_n_steps":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ElasticCallback: {name} must be a positive integer, got {value!r}")
         self.commit_every_n_steps = commit_every_n_steps
         self.check_every_n_steps = check_every_n_steps
+        self._pacer = CommitPacer(commit_budget, max_redo_seconds) if commit_every_n_steps is None else None
         self._last_step = 0  # the global step at the last batch end seen
         self._world_size_shown = False
 
@@ -69,6 +86,8 @@ class ElasticCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed fit starts at the commit's step
         self._world_size_shown = False
+        if self._pacer is not None:
+            self._pacer.start()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._world_size_shown and self._is_committer(trainer):
@@ -94,8 +113,8 @@ class ElasticCallback(Callback):
         # "Crossed a multiple" rather than "is a multiple": several optimizers (manual
         # optimization) may advance the step by more than one per batch.
         committed = False
-        if step // self.commit_every_n_steps > last // self.commit_every_n_steps:
-            strategy.take_commit(trainer)
+        if self._commit_due(last, step):
+            self._commit(strategy, trainer)
             committed = True
         if step // self.check_every_n_steps > last // self.check_every_n_steps:
             try:
@@ -105,10 +124,73 @@ class ElasticCallback(Callback):
                     strategy.take_commit(trainer)
                 raise
 
+    def _commit_due(self, last: int, step: int) -> bool:
+        if self._pacer is not None:
+            return self._pacer.due(step)
+        n = self.commit_every_n_steps
+        assert n is not None
+        return step // n > last // n
+
+    def _commit(self, strategy: Any, trainer: pl.Trainer) -> None:
+        if self._pacer is None:
+            strategy.take_commit(trainer)
+            return
+        started = time.perf_counter()
+        strategy.take_commit(trainer)
+        self._pacer.committed(trainer.global_step, started, time.perf_counter())
+
     def on_elastic_reset(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_world_size: int, new_world_size: int
     ) -> None:
         """Called on every rank after a reset, once the state is restored. Override to react."""
+
+
+def paced_interval(commit_seconds: float, step_seconds: float, budget: float, max_redo_seconds: float) -> int:
+    """Steps between two commits so that commits take about ``budget`` of the training time,
+    but at most ``max_redo_seconds`` of training apart (at least one step)."""
+    if step_seconds <= 0:
+        return 1
+    for_budget = math.ceil(commit_seconds / (budget * step_seconds) - 1e-9)  # 5.000000001 is 5
+    for_redo = math.floor(max_redo_seconds / step_seconds)
+    return max(1, min(for_budget, for_redo))
+
+
+class CommitPacer:
+    """When the next commit is due when it is paced by cost (``commit_every_n_steps=None``).
+
+    The first commit of a fit attempt comes at its first step. After each commit, the
+    steps since the previous one (timed without the commit itself) and the commit's own
+    duration give the interval to the next (``paced_interval``).
+    """
+
+    def __init__(self, budget: float, max_redo_seconds: float) -> None:
+        if not 0 < budget <= 1:
+            raise ValueError(f"ElasticCallback: commit_budget must be in (0, 1], got {budget!r}")
+        if not max_redo_seconds > 0:
+            raise ValueError(f"ElasticCallback: max_redo_seconds must be positive, got {max_redo_seconds!r}")
+        self.budget, self.max_redo_seconds = budget, max_redo_seconds
+        self.next_step: int | None = None  # None: commit at the next step
+        self.interval = 1  # steps between the last two commits' decisions
+        self._last: tuple[int, float] | None = None  # (step, time) right after the last commit
+
+    def start(self) -> None:
+        """A fit attempt starts: commit at its first step, with no timing carried over."""
+        self.next_step, self._last = None, None
+
+    def due(self, step: int) -> bool:
+        return self.next_step is None or step >= self.next_step
+
+    def committed(self, step: int, started: float, finished: float) -> None:
+        interval = 1
+        if self._last is not None and step > self._last[0]:
+            last_step, last_time = self._last
+            step_seconds = (started - last_time) / (step - last_step)
+            interval = paced_interval(finished - started, step_seconds, self.budget, self.max_redo_seconds)
+        if interval != self.interval:
+            log.debug("Commits every %d step(s) now (the last took %.2f ms)", interval, (finished - started) * 1e3)
+        self.interval = interval
+        self.next_step = step + interval
+        self._last = (step, finished)
 
 
 class ScaleLearningRate(ElasticCallback):
@@ -168,7 +250,7 @@ def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
                 setattr(scheduler, attribute, [v * factor for v in values])
 
 
-def _renamed(old_name: str, old_value: int | None, value: int) -> int:
+def _renamed(old_name: str, old_value: int | None, value: int | None) -> int | None:
     if old_value is None:
         return value
     warnings.warn(

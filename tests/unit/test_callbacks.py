@@ -7,11 +7,14 @@ Lightning integration tests.
 
 from __future__ import annotations
 
+import re
 import types
+from collections.abc import Callable
 
 import pytest
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
+from lightning_elastic.lightning import callbacks
 from lightning_elastic.lightning.callbacks import ElasticCallback, ScaleLearningRate
 from tests.unit.fakes import FakeWorker
 
@@ -19,17 +22,30 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class ScriptedStrategy:
-    def __init__(self, worker: FakeWorker) -> None:
+    def __init__(self, worker: FakeWorker, on_commit: Callable[[], None] = lambda: None) -> None:
         self.worker = worker
         self.commits: list[int] = []
         self.batches: list[int] = []
         self.trainer: types.SimpleNamespace | None = None
+        self._on_commit = on_commit
 
     def take_commit(self, trainer: types.SimpleNamespace) -> None:
         self.commits.append(trainer.global_step)
+        self._on_commit()
 
     def record_batch(self, batch_idx: int) -> None:
         self.batches.append(batch_idx)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def fit(callback: ElasticCallback, epochs: int, batches: int, steps_per_batch: float = 1.0,
@@ -57,11 +73,60 @@ def test_commits_count_training_steps_across_epochs():
     assert len(strategy.batches) == 86  # every batch is recorded for the sampler
 
 
-def test_the_default_commits_and_checks_every_step():
+def test_commit_every_step_and_check_every_step():
     worker = FakeWorker()
-    strategy = fit(ElasticCallback(), epochs=1, batches=5, worker=worker)
+    strategy = fit(ElasticCallback(commit_every_n_steps=1), epochs=1, batches=5, worker=worker)
     assert strategy.commits == [1, 2, 3, 4, 5]
     assert worker.checks == 5
+
+
+def test_the_default_paces_commits_and_checks_every_step(monkeypatch):
+    # Steps take 10 ms and a commit 0.5 ms: 1 % of the training time allows one per 5 steps.
+    clock = FakeClock()
+    monkeypatch.setattr(callbacks.time, "perf_counter", clock)
+    worker = FakeWorker()
+    callback = ElasticCallback()
+    strategy = ScriptedStrategy(worker, on_commit=lambda: clock.advance(0.0005))
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=0, callbacks=[callback], world_size=1)
+    callback.on_train_start(trainer, None)
+    for batch_idx in range(20):
+        clock.advance(0.010)
+        trainer.global_step += 1
+        callback.on_train_batch_end(trainer, None, None, None, batch_idx)
+    # First step of the attempt, then one step later (nothing timed yet), then every 5.
+    assert strategy.commits == [1, 2, 7, 12, 17]
+    assert worker.checks == 20
+    # A new fit attempt (after a reset) commits at its first step again.
+    callback.on_train_start(trainer, None)
+    clock.advance(0.010)
+    trainer.global_step += 1
+    callback.on_train_batch_end(trainer, None, None, None, 0)
+    assert strategy.commits[-1] == 21
+
+
+@pytest.mark.parametrize(
+    ("commit_s", "step_s", "budget", "max_redo_s", "expected"),
+    [
+        (0.0005, 0.010, 0.01, 10.0, 5),   # 1 % of a 10 ms step is 0.1 ms: one commit per 5 steps
+        (0.0001, 0.010, 0.01, 10.0, 1),   # cheap enough for every step
+        (0.045, 0.36, 0.01, 10.0, 13),    # a large model: 45 ms commits, 0.36 s steps
+        (0.045, 0.36, 0.01, 1.0, 2),      # ... but no more than 1 s of training redone
+        (5.0, 20.0, 0.01, 10.0, 1),       # steps longer than the redo bound: every step
+        (0.001, 0.0, 0.01, 10.0, 1),      # no time measured
+    ],
+)
+def test_paced_interval(commit_s, step_s, budget, max_redo_s, expected):
+    assert callbacks.paced_interval(commit_s, step_s, budget, max_redo_s) == expected
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"commit_budget": 0}, "ElasticCallback: commit_budget must be in (0, 1], got 0"),
+    ({"commit_budget": 1.5}, "ElasticCallback: commit_budget must be in (0, 1], got 1.5"),
+    ({"max_redo_seconds": -1}, "ElasticCallback: max_redo_seconds must be positive, got -1"),
+])
+def test_bad_pacing_parameters_are_one_line_errors(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ElasticCallback(**kwargs)
 
 
 def test_with_gradient_accumulation_only_an_optimizer_step_commits_or_checks():
