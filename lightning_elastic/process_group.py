@@ -7,6 +7,7 @@ driver), so no key of an earlier round is ever read.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import logging
@@ -95,6 +96,26 @@ def init_round_group(
     )
     if forming != timeout:
         set_timeout(timeout)  # the formation's bound must not become the collectives' timeout
+
+
+def abandon_round_group() -> None:
+    """Leave the current gloo group without destroying it: one of its operations is stuck.
+
+    gloo can leave a send pending for the group's whole timeout after the peer closed its
+    end (see ``ElasticWorker.wait_collective``). Destroying the group then joins its worker
+    thread, blocked in that send, so the destroy itself would hang. The group object is
+    therefore leaked on purpose: one reference is never released, its threads end when its
+    timeout expires, and the next round forms a group of its own.
+    """
+    if not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    if group is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - the group is being left either way
+        log.debug("Leaving the abandoned process group raised %s; continuing.", err)
 
 
 def destroy_round_group(abort: bool = False) -> None:

@@ -135,7 +135,8 @@ class ObjectState(State):
             self.save()
         if a.size == 1:
             return
-        committed = transfer.broadcast_commit(self._snapshot, a.rank, a.size, 0, worker.device)
+        committed = transfer.broadcast_commit(self._snapshot, a.rank, a.size, 0, worker.device,
+                                               wait=worker.wait_collective)
         if a.rank != 0:
             self._load(committed)
 

@@ -14,7 +14,7 @@ one device buffer of a chunk's size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -80,11 +80,19 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def wait_plainly(work: dist.Work) -> None:
+    work.wait()
+
+
 def broadcast_commit(
     snapshot: HostSnapshot, rank: int, size: int, src: int, device: torch.device,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES, wait: Callable[[dist.Work], None] = wait_plainly,
 ) -> Committed:
-    """Rank ``src``'s commit in every rank's ``snapshot`` (``device``: where NCCL stages chunks)."""
+    """Rank ``src``'s commit in every rank's ``snapshot`` (``device``: where NCCL stages chunks).
+
+    ``wait`` waits for each chunk's broadcast: a worker's ``wait_collective`` gives up one
+    that its broken round left pending.
+    """
     if rank == src:
         committed = snapshot.committed()
         if committed is None:
@@ -102,7 +110,7 @@ def broadcast_commit(
         buffers = snapshot.buffers_for(header.specs)
     # New memory (a joiner's) is faulted in alongside the receive, not page by page inside it.
     with Prefaulter(buffers if new_memory else ()):
-        send_tensors(buffers, src, device, chunk_bytes)
+        send_tensors(buffers, src, device, chunk_bytes, wait)
     if rank != src:
         snapshot.receive(header.skeleton, header.meta, header.specs, buffers)
     committed = snapshot.committed()
@@ -110,7 +118,8 @@ def broadcast_commit(
     return committed
 
 
-def send_tensors(tensors: Sequence[torch.Tensor], src: int, device: torch.device, chunk_bytes: int) -> None:
+def send_tensors(tensors: Sequence[torch.Tensor], src: int, device: torch.device, chunk_bytes: int,
+                 wait: Callable[[dist.Work], None] = wait_plainly) -> None:
     """Broadcast the contents of contiguous host ``tensors`` from ``src`` into every rank's."""
     flat = [_bytes_of(t) for t in tensors]
     staged_on_device = device.type == "cuda"
@@ -123,13 +132,13 @@ def send_tensors(tensors: Sequence[torch.Tensor], src: int, device: torch.device
     for chunk in chunks:
         if len(chunk) == 1 and not staged_on_device:
             segment = chunk[0]
-            dist.broadcast(flat[segment.index][segment.start:segment.end], src=src)
+            wait(dist.broadcast(flat[segment.index][segment.start:segment.end], src=src, async_op=True))
             continue
         assert staging is not None
         total = sum(s.nbytes for s in chunk)
         if is_source:
             _pack(staging, chunk, flat)
-        dist.broadcast(staging[:total], src=src)
+        wait(dist.broadcast(staging[:total], src=src, async_op=True))
         if not is_source:
             _unpack(staging, chunk, flat)
 

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,12 @@ from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.driver_store import DriverStore
-from lightning_elastic.errors import RendezvousError
+from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
 from lightning_elastic.preemption import PreemptionHandler
 from lightning_elastic.process_group import (
     BackendChoice,
+    abandon_round_group,
     choose_backend,
     destroy_round_group,
     init_round_group,
@@ -41,6 +43,12 @@ log = logging.getLogger(__name__)
 # then the driver has declared it lost (a partition, or the driver is gone) and killed it
 # as far as it could, so lingering could only leave a stray process on its host.
 DRIVER_LOST_AFTER_TIMEOUTS = 2.0
+
+# wait_collective: how often a pending collective looks whether its round broke, and how
+# long it may stay pending once the round is known broken (the heartbeat has then cut the
+# group's connections: an operation gloo did fail has raised well within this).
+COLLECTIVE_WAIT_SLICE = datetime.timedelta(seconds=0.25)
+ABANDON_AFTER_BROKEN_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +126,30 @@ def _read_secret(environ: os._Environ | dict[str, str]) -> str:
     return b"".join(chunks).decode()
 
 
+def wait_or_give_up(
+    work: dist.Work, broken_reason: Callable[[], str | None],
+    wait_slice: datetime.timedelta = COLLECTIVE_WAIT_SLICE, grace_s: float = ABANDON_AFTER_BROKEN_S,
+) -> None:
+    """``work.wait()``, but raise ``CollectiveError`` once ``broken_reason()`` has named a
+    reason for ``grace_s`` seconds and the work is still pending."""
+    broken_since: float | None = None
+    while True:
+        try:
+            work.wait(wait_slice)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the operation itself failed, not the slice's timeout
+        reason = broken_reason()
+        if reason is None:
+            continue
+        now = time.monotonic()
+        broken_since = now if broken_since is None else broken_since
+        if now - broken_since >= grace_s:
+            raise CollectiveError(f"{reason}; a collective of its group was still pending {grace_s:g} s later "
+                                  "and was given up")
+
+
 class ElasticWorker:
     def __init__(
         self,
@@ -146,6 +178,7 @@ class ElasticWorker:
         self._backend: BackendChoice | None = None
         # The gloo connections of the group formed for round N: (N, connections).
         self._group_connections: tuple[int, frozenset[group_sockets.Connection]] = (0, frozenset())
+        self._group_abandoned = False  # a collective of the current group was given up
 
     @classmethod
     def from_environment(
@@ -189,7 +222,11 @@ class ElasticWorker:
 
     def reset(self) -> None:
         """Leave the current round and join the next one (called by ``@run``)."""
-        destroy_round_group(abort=self.backend == "nccl")
+        if self._group_abandoned:
+            abandon_round_group()
+            self._group_abandoned = False
+        else:
+            destroy_round_group(abort=self.backend == "nccl")
         if self.settings is None:
             self._form_group()
         else:
@@ -197,7 +234,10 @@ class ElasticWorker:
 
     def shutdown(self) -> None:
         self._heartbeat_stop.set()
-        destroy_round_group()
+        if self._group_abandoned:
+            abandon_round_group()
+        else:
+            destroy_round_group()
         if self._client is not None:
             self._client.close()
         if self._store is not None:
@@ -323,6 +363,28 @@ class ElasticWorker:
         return self._client.round_lost(
             self.assignment.round, self.settings.lost_member_wait, collective, error, self._commits_in_round
         )
+
+    def wait_collective(self, work: dist.Work) -> None:
+        """Wait for an asynchronous collective of the current round, or give it up.
+
+        gloo fails a pending receive when its peer goes away, but not always a pending
+        send: the root of a broadcast whose receivers left it (one died, the others raised
+        and went on to the next rendezvous) was seen waiting in a 64 MiB send for the
+        group's whole timeout, 30 minutes by default, with every connection of the group
+        already closed. So once the driver has said the round lost a member, a collective
+        still pending ``ABANDON_AFTER_BROKEN_S`` later is given up (``wait_or_give_up``),
+        and the next ``reset`` leaves the group without destroying it: the destroy would
+        wait for the stuck send. NCCL needs none of this: the heartbeat aborts its
+        communicator, which fails every pending operation.
+        """
+        if self.backend == "nccl" or self.settings is None:
+            work.wait()
+            return
+        try:
+            wait_or_give_up(work, self._round_broken_reason)
+        except CollectiveError:
+            self._group_abandoned = True
+            raise
 
     def _round_broken_reason(self) -> str | None:
         """Why the current round cannot complete, once the driver says a member is lost."""

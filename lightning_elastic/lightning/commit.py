@@ -82,8 +82,10 @@ class RestorePlan:
 def agree_on_restore(worker: ElasticWorker, snapshot: HostSnapshot, logger_versions: list[Any]) -> RestorePlan:
     """Pick the newest commit in the world (lowest rank on ties) and share the logger versions.
 
-    Every survivor holds a commit of the same step, except when a peer died between two
-    ranks taking theirs; taking the newest one then loses nothing. Joiners hold none.
+    Survivors may hold commits of different steps: with commits paced by their cost (the
+    default) each rank picks its own steps, and a peer may die between two ranks taking
+    theirs. Every commit is a whole, consistent state; the newest one loses least. Joiners
+    hold none.
     """
     size = worker.assignment.size
     info = commit_info(snapshot)
@@ -103,7 +105,7 @@ def agree_on_restore(worker: ElasticWorker, snapshot: HostSnapshot, logger_versi
 def receive_commit(worker: ElasticWorker, snapshot: HostSnapshot, source_rank: int) -> Committed:
     """The source rank's commit in every rank's ``snapshot`` (joiners get everything from here)."""
     a = worker.assignment
-    return broadcast_commit(snapshot, a.rank, a.size, source_rank, worker.device)
+    return broadcast_commit(snapshot, a.rank, a.size, source_rank, worker.device, wait=worker.wait_collective)
 
 
 def checkpoint_for_lightning(committed: Committed, world_size: int) -> dict[str, Any]:

@@ -60,6 +60,9 @@ class FakeWorker:
     def note_commit(self) -> None:
         self.commits += 1
 
+    def wait_collective(self, work: Any) -> None:
+        work.wait()
+
     def interrupt_next(self) -> None:
         self.interrupt_at.add(self.checks + 1)
 
