@@ -46,7 +46,7 @@ def workload(script: str, *args: Any) -> list[str]:
 
 def launcher_command() -> list[str]:
     exe = Path(PYTHON).parent / "lightning-elastic"
-    return [str(exe)] if exe.exists() else [PYTHON, "-m", "launcher.cli"]
+    return [str(exe)] if exe.exists() else [PYTHON, "-m", "lightning_elastic.launcher.cli"]
 
 
 def elastic_launch(workers: int, command: Sequence[str], min_np: int | None = None) -> list[str]:

@@ -95,6 +95,9 @@ def main() -> None:
     dataset = TensorDataset(torch.arange(args.samples), inputs, targets)
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    # torch's DDP (bucketed gradient all-reduce, overlapped with backward), rebuilt on the
+    # new process group after every reset. The state holds the module itself.
+    ddp_model = le.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * le.size())
     sampler = le.ElasticSampler(dataset, shuffle=True, seed=7)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
@@ -131,11 +134,8 @@ def main() -> None:
                     events.emit("dist_error", step=state.step, round=le.current_worker().assignment.round)
                     raise dist.DistError(f"injected collective error at step {state.step}")
                 optimizer.zero_grad()
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                for p in model.parameters():  # average gradients across the world
-                    dist.all_reduce(p.grad)
-                    p.grad /= le.size()
+                loss = torch.nn.functional.mse_loss(ddp_model(x), y)
+                loss.backward()  # DDP averages the gradients across the world
                 optimizer.step()
                 if args.step_delay:
                     time.sleep(args.step_delay)

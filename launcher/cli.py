@@ -9,11 +9,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.config import LaunchConfig, SshSettings, Timeouts
-from launcher.driver import launch
-from launcher.errors import ConfigError
-from launcher.hosts import HostSlots, count_slots, parse_host_list
-from launcher.processes.output import WRITE_ERRORS, flush_or_discard
+from lightning_elastic.launcher.config import LaunchConfig, SshSettings, Timeouts
+from lightning_elastic.launcher.driver import launch
+from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.hosts import HostSlots, count_slots, parse_host_list
+from lightning_elastic.launcher.processes.output import WRITE_ERRORS, flush_or_discard
 
 PROG = "lightning-elastic"
 

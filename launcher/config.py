@@ -6,8 +6,8 @@ import dataclasses
 import math
 from pathlib import Path
 
-from launcher.errors import ConfigError
-from launcher.hosts import HostSlots
+from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.hosts import HostSlots
 
 
 @dataclasses.dataclass(frozen=True)

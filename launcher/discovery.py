@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from launcher.errors import DiscoveryError
-from launcher.hosts import HostSlots, parse_discovery_output
+from lightning_elastic.launcher.errors import DiscoveryError
+from lightning_elastic.launcher.hosts import HostSlots, parse_discovery_output
 
 log = logging.getLogger(__name__)
 

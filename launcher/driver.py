@@ -28,19 +28,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from launcher import membership, policy
-from launcher.config import LaunchConfig
-from launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
-from launcher.errors import ConfigError, LaunchError
-from launcher.host_manager import HostManager
-from launcher.hosts import SlotAssignment, SlotKey, count_slots
-from launcher.network import HostClassifier, choose_driver_address
-from launcher.processes.base import HostRouter, WorkerLauncher, WorkerProcess, WorkerSpec, describe_status, stop_all
-from launcher.processes.local import LocalLauncher
-from launcher.processes.output import OutputSink
-from launcher.processes.ssh import SshLauncher
-from launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
-from launcher.rendezvous_server import RendezvousServer
+from lightning_elastic.launcher import membership, policy
+from lightning_elastic.launcher.config import LaunchConfig
+from lightning_elastic.launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
+from lightning_elastic.launcher.errors import ConfigError, LaunchError
+from lightning_elastic.launcher.host_manager import HostManager
+from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey, count_slots
+from lightning_elastic.launcher.network import HostClassifier, choose_driver_address
+from lightning_elastic.launcher.processes.base import (
+    HostRouter,
+    WorkerLauncher,
+    WorkerProcess,
+    WorkerSpec,
+    describe_status,
+    stop_all,
+)
+from lightning_elastic.launcher.processes.local import LocalLauncher
+from lightning_elastic.launcher.processes.output import OutputSink
+from lightning_elastic.launcher.processes.ssh import SshLauncher
+from lightning_elastic.launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
+from lightning_elastic.launcher.rendezvous_server import RendezvousServer
 from lightning_elastic import protocol as p
 
 # Put first on the workers' PYTHONPATH: lightning_elastic/_autoload/sitecustomize.py.

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from launcher.hosts import HostSlots
+from lightning_elastic.launcher.hosts import HostSlots
 
 log = logging.getLogger(__name__)
 

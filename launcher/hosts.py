@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
-from launcher.errors import ConfigError, DiscoveryError
+from lightning_elastic.launcher.errors import ConfigError, DiscoveryError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from launcher import policy
-from launcher.hosts import HostSlots, SlotAssignment, SlotKey, assign_slots
-from launcher.registry import WorkerState
+from lightning_elastic.launcher import policy
+from lightning_elastic.launcher.hosts import HostSlots, SlotAssignment, SlotKey, assign_slots
+from lightning_elastic.launcher.registry import WorkerState
 
 
 @dataclasses.dataclass(frozen=True)

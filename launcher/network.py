@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import psutil
 
-from launcher.errors import ConfigError
+from lightning_elastic.launcher.errors import ConfigError
 
 # Variables that pick the interface gloo and NCCL bind to; a value the user set is kept.
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from enum import Enum
 
-from launcher.hosts import SlotAssignment, SlotKey
+from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
 from lightning_elastic.protocol import (
     Assignment,
     HeartbeatReply,

@@ -17,8 +17,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from launcher.registry import Registry, UnknownWorker
-from launcher.store_service import KeyValueStore
+from lightning_elastic.launcher.registry import Registry, UnknownWorker
+from lightning_elastic.launcher.store_service import KeyValueStore
 from lightning_elastic import protocol as p
 
 log = logging.getLogger(__name__)

@@ -7,40 +7,69 @@ Lightning users write ``Trainer(strategy="elastic_hvd")``: importing this packag
 the name as soon as ``lightning.pytorch`` is imported (before or after this package), and
 ``le.ElasticStrategy``, ``le.ElasticCallback`` and ``le.ScaleLearningRate`` load the
 Lightning integration on first use. A plain-PyTorch worker never imports Lightning.
+
+Driver side: ``lightning_elastic.launcher`` (the ``launcher/`` folder of the repository),
+which shares only ``lightning_elastic.protocol`` with the worker side.
 """
 
-from types import ModuleType
-from typing import Any
+from __future__ import annotations
 
-from lightning_elastic.api import (
-    cross_rank,
-    cross_size,
-    current_worker,
-    init,
-    local_rank,
-    local_size,
-    rank,
-    size,
-    slot_info,
-)
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
 from lightning_elastic.import_hook import call_after_import
-from lightning_elastic.errors import CollectiveError, ElasticError, HostsUpdatedInterrupt, RendezvousError
-from lightning_elastic.run import run
-from lightning_elastic.sampler import ElasticSampler
-from lightning_elastic.state import ObjectState, State, TorchState
-from lightning_elastic.worker import ElasticWorker, SlotInfo
+
+# Every public name loads on first use (PEP 562): the driver and the ssh supervisor import
+# ``lightning_elastic.launcher`` and ``lightning_elastic.protocol``, which must not pay for
+# torch. ``import lightning_elastic`` alone imports neither torch nor Lightning.
+_EXPORTS = {
+    "lightning_elastic.api": ("cross_rank", "cross_size", "current_worker", "init", "local_rank",
+                              "local_size", "rank", "size", "slot_info"),
+    "lightning_elastic.ddp": ("DistributedDataParallel",),
+    "lightning_elastic.errors": ("CollectiveError", "ElasticError", "HostsUpdatedInterrupt", "RendezvousError"),
+    "lightning_elastic.runner": ("run",),
+    "lightning_elastic.sampler": ("ElasticSampler",),
+    "lightning_elastic.state": ("ObjectState", "State", "TorchState"),
+    "lightning_elastic.worker": ("ElasticWorker", "SlotInfo"),
+    "lightning_elastic.lightning": ("ElasticCallback", "ElasticStrategy", "ScaleLearningRate"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if TYPE_CHECKING:
+    from lightning_elastic.api import (
+        cross_rank,
+        cross_size,
+        current_worker,
+        init,
+        local_rank,
+        local_size,
+        rank,
+        size,
+        slot_info,
+    )
+    from lightning_elastic.ddp import DistributedDataParallel
+    from lightning_elastic.errors import CollectiveError, ElasticError, HostsUpdatedInterrupt, RendezvousError
+    from lightning_elastic.lightning import ElasticCallback, ElasticStrategy, ScaleLearningRate
+    from lightning_elastic.runner import run
+    from lightning_elastic.sampler import ElasticSampler
+    from lightning_elastic.state import ObjectState, State, TorchState
+    from lightning_elastic.worker import ElasticWorker, SlotInfo
 
 __version__ = "0.1.0"
 
-_LIGHTNING_NAMES = ("ElasticCallback", "ElasticStrategy", "ScaleLearningRate")
-
 
 def __getattr__(name: str) -> Any:
-    if name in _LIGHTNING_NAMES:
-        from lightning_elastic import lightning as integration
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return getattr(integration, name)
-    raise AttributeError(f"module 'lightning_elastic' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
 
 
 def _register_with(module: ModuleType) -> None:
@@ -54,6 +83,7 @@ call_after_import("pytorch_lightning", _register_with)
 
 __all__ = [
     "CollectiveError",
+    "DistributedDataParallel",
     "ElasticCallback",
     "ElasticStrategy",
     "ScaleLearningRate",

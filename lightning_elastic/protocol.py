@@ -1,4 +1,4 @@
-"""Wire protocol between the driver (``launcher``) and the workers (``lightning_elastic``).
+"""Wire protocol between the driver (``lightning_elastic.launcher``) and the workers (the rest of ``lightning_elastic``).
 
 This is the only module both sides import. It is standard-library only (no torch, no
 requests) so the driver can use it without loading the worker runtime.

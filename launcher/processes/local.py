@@ -7,10 +7,10 @@ import subprocess
 from collections.abc import Callable
 from typing import IO
 
-from launcher.network import collective_interface_env
-from launcher.processes.base import WorkerSpec
-from launcher.processes.output import LineForwarder, OutputSink, as_sink
-from launcher.processes.spawn import signal_group, spawn_worker
+from lightning_elastic.launcher.network import collective_interface_env
+from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
+from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 

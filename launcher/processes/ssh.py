@@ -1,7 +1,7 @@
 """Workers on other machines, started through the system OpenSSH client.
 
 As with horovodrun and mpirun, hosts share a filesystem (or have the same paths): the
-remote side runs ``cd CWD && exec PYTHON -m launcher.processes.supervisor`` with the
+remote side runs ``cd CWD && exec PYTHON -m lightning_elastic.launcher.processes.supervisor`` with the
 driver's own interpreter and working directory. The supervisor receives the command, the
 environment and the job secret on stdin (inside the encrypted channel), starts the worker
 and reports its exit status on stderr; see ``supervisor.py`` for that small protocol.
@@ -24,11 +24,11 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
-from launcher.config import SshSettings
-from launcher.processes.base import WorkerSpec
-from launcher.processes.output import LineForwarder, OutputSink, as_sink
-from launcher.processes.spawn import die_with_parent_preexec
-from launcher.processes.supervisor import MARK
+from lightning_elastic.launcher.config import SshSettings
+from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
+from lightning_elastic.launcher.processes.spawn import die_with_parent_preexec
+from lightning_elastic.launcher.processes.supervisor import MARK
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def ssh_argv(settings: SshSettings, host: str) -> list[str]:
 
 
 def remote_command(cwd: str, python: str = sys.executable) -> str:
-    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m launcher.processes.supervisor"
+    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m lightning_elastic.launcher.processes.supervisor"
 
 
 class SshLauncher:

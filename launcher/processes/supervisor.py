@@ -1,4 +1,4 @@
-"""The remote end of an ssh-started worker: ``python -m launcher.processes.supervisor``.
+"""The remote end of an ssh-started worker: ``python -m lightning_elastic.launcher.processes.supervisor``.
 
 The driver runs this through ssh and talks to it over the connection:
 
@@ -25,8 +25,8 @@ import sys
 import threading
 from typing import Any
 
-from launcher.network import collective_interface_env
-from launcher.processes.spawn import signal_group, spawn_worker
+from lightning_elastic.launcher.network import collective_interface_env
+from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
 
 MARK = "lightning-elastic-supervisor:"
 # How long the worker gets to exit after SIGKILL before the supervisor leaves anyway.

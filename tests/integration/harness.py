@@ -38,8 +38,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 
 
 class Job:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, launcher: Path = LAUNCHER) -> None:
         self.dir = workdir
+        self.launcher = launcher  # the lightning-elastic executable (another venv's for the wheel test)
         self.events_dir = workdir / "events"
         self.hosts_file = workdir / "hosts.txt"
         self.script = workdir / "discover.sh"
@@ -65,13 +66,15 @@ class Job:
     def start(self, launch_args: Sequence[str], example_args: Sequence[str] = (),
               command: Sequence[str] | None = None, capture_secret: bool = False) -> None:
         """Start the driver; ``capture_secret`` lets ``secret()`` read the job secret later."""
-        cmd = [str(LAUNCHER), "launch", *launch_args]
+        cmd = [str(self.launcher), "launch", *launch_args]
         if command is None:
             command = [sys.executable, str(EXAMPLE), "--events", str(self.events_dir), *example_args]
         if capture_secret:
             command = [sys.executable, str(CAPTURE_SECRET), str(self.secret_path), *command]
         env = dict(os.environ)
         env.pop("LIGHTNING_ELASTIC_DRIVER_URL", None)
+        if self.launcher != LAUNCHER:
+            env.pop("PYTHONPATH", None)  # nothing of the checkout: only what the other venv installed
         self.proc = subprocess.Popen(
             [*cmd, *command], cwd=self.dir, env=env,
             stdout=open(self.stdout_path, "wb"), stderr=open(self.stderr_path, "wb"),  # noqa: SIM115

@@ -300,6 +300,6 @@ def _our_processes(hosts: NamespacedHosts, name: str, job: Job) -> list[int]:
             cmdline = " ".join(psutil.Process(pid).cmdline())
         except psutil.NoSuchProcess:
             continue
-        if str(job.events_dir) in cmdline or "launcher.processes.supervisor" in cmdline:
+        if str(job.events_dir) in cmdline or "lightning_elastic.launcher.processes.supervisor" in cmdline:
             found.append(pid)
     return found

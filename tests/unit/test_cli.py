@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import cli
-from launcher.config import SshSettings
-from launcher.errors import ConfigError
-from launcher.hosts import HostSlots
+from lightning_elastic.launcher import cli
+from lightning_elastic.launcher.config import SshSettings
+from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.hosts import HostSlots
 
 
 @pytest.fixture(autouse=True)

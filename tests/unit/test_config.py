@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import LaunchConfig, SshSettings, Timeouts
-from launcher.errors import ConfigError, LaunchError
-from launcher.hosts import HostSlots
+from lightning_elastic.launcher.config import LaunchConfig, SshSettings, Timeouts
+from lightning_elastic.launcher.errors import ConfigError, LaunchError
+from lightning_elastic.launcher.hosts import HostSlots
 
 HOSTS = (HostSlots("localhost", 2),)
 

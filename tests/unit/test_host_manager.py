@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.host_manager import HostChange, HostManager
-from launcher.hosts import HostSlots
+from lightning_elastic.launcher.host_manager import HostChange, HostManager
+from lightning_elastic.launcher.hosts import HostSlots
 
 
 class FakeClock:

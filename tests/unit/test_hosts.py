@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from launcher.errors import ConfigError, DiscoveryError
-from launcher.hosts import (
+from lightning_elastic.launcher.errors import ConfigError, DiscoveryError
+from lightning_elastic.launcher.hosts import (
     HostSlots,
     SlotKey,
     assign_slots,
@@ -16,7 +16,7 @@ from launcher.hosts import (
     parse_host_entry,
     parse_host_list,
 )
-from launcher.network import HostClassifier
+from lightning_elastic.launcher.network import HostClassifier
 
 # ----- parse_host_entry ----------------------------------------------------------------
 

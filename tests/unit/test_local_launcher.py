@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from launcher.processes.base import WorkerSpec
-from launcher.processes.local import LocalLauncher
+from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.local import LocalLauncher
 from lightning_elastic.protocol import ENV_SECRET_FD
 from tests.unit.proc_tools import BOUND
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from launcher.hosts import HostSlots, SlotKey, assign_slots
-from launcher.membership import (
+from lightning_elastic.launcher.hosts import HostSlots, SlotKey, assign_slots
+from lightning_elastic.launcher.membership import (
     MembershipView,
     Plan,
     WorkerView,
@@ -15,8 +15,8 @@ from launcher.membership import (
     round_to_form,
     vacant_slots,
 )
-from launcher.policy import Verdict
-from launcher.registry import WorkerState as S
+from lightning_elastic.launcher.policy import Verdict
+from lightning_elastic.launcher.registry import WorkerState as S
 
 A, B, C = SlotKey("a", 0), SlotKey("b", 0), SlotKey("c", 0)
 

@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from launcher import network
-from launcher.errors import ConfigError
-from launcher.network import (
+from lightning_elastic.launcher import network
+from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.network import (
     HostClassifier,
     choose_driver_address,
     collective_interface_env,

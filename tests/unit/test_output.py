@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.processes.output import LineForwarder, OutputSink, flush_or_discard
+from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, flush_or_discard
 from tests.unit.proc_tools import BOUND
 
 pytestmark = pytest.mark.timeout(30)

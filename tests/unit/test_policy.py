@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from launcher.policy import (
+from lightning_elastic.launcher.policy import (
     JobView,
     MemberView,
     Verdict,
@@ -14,7 +14,7 @@ from launcher.policy import (
     check_reset_limit,
     decide_verdict,
 )
-from launcher.registry import WorkerState as S
+from lightning_elastic.launcher.registry import WorkerState as S
 
 TIMEOUT = 30.0
 

@@ -11,8 +11,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from launcher.hosts import SlotAssignment, SlotKey
-from launcher.registry import ErrorView, Registry, UnknownWorker, WorkerRecord, WorkerState, classify_error, outcome_of
+from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
+from lightning_elastic.launcher.registry import (
+    ErrorView,
+    Registry,
+    UnknownWorker,
+    WorkerRecord,
+    WorkerState,
+    classify_error,
+    outcome_of,
+)
 from lightning_elastic.protocol import (
     HeartbeatRequest,
     LeaveReply,

@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from launcher.hosts import SlotAssignment, SlotKey
-from launcher.registry import Registry, WorkerState
-from launcher.rendezvous_server import MAX_BODY, TIMESTAMP_WINDOW, RendezvousServer
+from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
+from lightning_elastic.launcher.registry import Registry, WorkerState
+from lightning_elastic.launcher.rendezvous_server import MAX_BODY, TIMESTAMP_WINDOW, RendezvousServer
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.errors import RendezvousError

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launcher.processes.spawn import signal_group, spawn_worker
+from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
 from tests.unit.proc_tools import BOUND, LineReader, kill_quietly, wait_gone
 
 pytestmark = pytest.mark.timeout(30)

@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-from launcher.config import SshSettings
-from launcher.processes import ssh
-from launcher.processes.base import WorkerSpec
-from launcher.processes.ssh import SshLauncher, remote_command, ssh_argv
+from lightning_elastic.launcher.config import SshSettings
+from lightning_elastic.launcher.processes import ssh
+from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.ssh import SshLauncher, remote_command, ssh_argv
 from lightning_elastic.protocol import ENV_SECRET_FD
 from tests.unit.proc_tools import BOUND, REPO, wait_gone
 
@@ -31,7 +31,7 @@ SECRET = "remote-secret-99"
 
 CONNECTED = (
     "import os, sys; os.chdir({repo!r}); "
-    "os.execv(sys.executable, [sys.executable, '-m', 'launcher.processes.supervisor'])"
+    "os.execv(sys.executable, [sys.executable, '-m', 'lightning_elastic.launcher.processes.supervisor'])"
 ).format(repo=str(REPO))
 REFUSED = (
     "import sys; sys.stderr.write('ssh: connect to host x port 22: Connection refused\\n'); sys.exit(255)"
@@ -83,15 +83,15 @@ def test_timeouts_are_whole_seconds_of_at_least_one():
 def test_remote_command_quotes_the_directory_and_interpreter():
     command = remote_command("/data/my run's dir", "/opt/py env/bin/python")
     assert command == (
-        "cd '/data/my run'\"'\"'s dir' && exec '/opt/py env/bin/python' -m launcher.processes.supervisor"
+        "cd '/data/my run'\"'\"'s dir' && exec '/opt/py env/bin/python' -m lightning_elastic.launcher.processes.supervisor"
     )
     assert shlex.split(command) == [
-        "cd", "/data/my run's dir", "&&", "exec", "/opt/py env/bin/python", "-m", "launcher.processes.supervisor",
+        "cd", "/data/my run's dir", "&&", "exec", "/opt/py env/bin/python", "-m", "lightning_elastic.launcher.processes.supervisor",
     ]
 
 
 def test_remote_command_defaults_to_this_interpreter():
-    assert remote_command("/work") == f"cd /work && exec {shlex.quote(sys.executable)} -m launcher.processes.supervisor"
+    assert remote_command("/work") == f"cd /work && exec {shlex.quote(sys.executable)} -m lightning_elastic.launcher.processes.supervisor"
 
 
 # ----- SshProcess through a fake ssh ----------------------------------------------------

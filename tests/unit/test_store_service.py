@@ -14,9 +14,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from launcher.registry import Registry
-from launcher.rendezvous_server import RendezvousServer
-from launcher.store_service import KeyValueStore
+from lightning_elastic.launcher.registry import Registry
+from lightning_elastic.launcher.rendezvous_server import RendezvousServer
+from lightning_elastic.launcher.store_service import KeyValueStore
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.driver_store import DriverStore

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from launcher.processes.supervisor import MARK
+from lightning_elastic.launcher.processes.supervisor import MARK
 from tests.unit.proc_tools import BOUND, REPO, LineReader, is_gone, kill_quietly, wait_gone
 
 pytestmark = pytest.mark.timeout(30)
@@ -26,7 +26,7 @@ SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
 class Supervisor:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher.processes.supervisor"],
+            [sys.executable, "-m", "lightning_elastic.launcher.processes.supervisor"],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -195,7 +195,7 @@ def test_command_that_cannot_start_is_reported_with_status_127(supervisor):
 
 def test_importing_the_supervisor_does_not_import_torch():
     result = subprocess.run(
-        [sys.executable, "-c", "import launcher.processes.supervisor, sys; print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import lightning_elastic.launcher.processes.supervisor, sys; print('torch' in sys.modules)"],
         cwd=REPO,
         capture_output=True,
         text=True,
