@@ -8,7 +8,8 @@ The mode follows the environment: under the launcher the loop runs inside ``@le.
 ``le.TorchState(model, optimizer, step=0)``, calls ``state.commit()`` every
 ``--commit-every`` steps and ``state.check_host_updates()`` every ``--check-every`` steps
 (a commit checks too); otherwise it is the same loop on a process group of its own
-(``init_process_group("gloo")``). Nothing else differs: model, data, batches, DDP wrapper.
+(``init_process_group("gloo")``). Nothing else differs: model, data, batches, torch's DDP
+(``le.DistributedDataParallel`` under the launcher: the same torch DDP, rebuilt after a reset).
 Every completed step (after its commit or check) appends a record to ``--log-dir`` (steplog).
 """
 
@@ -49,10 +50,10 @@ def main() -> None:
 
         le.init()
         state = le.TorchState(model, optimizer, step=0)
+        ddp = le.DistributedDataParallel(model)  # torch's DDP, rebuilt on each new group
 
         @le.run
         def train(state: le.TorchState) -> None:
-            ddp = DDP(model)
             while state.step < args.steps:
                 rank, size = le.rank(), le.size()
                 sh.train_step(ddp, optimizer, *sh.batch_at(data, spec, state.step, rank, size))
