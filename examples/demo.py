@@ -3,7 +3,8 @@
 It starts ``lightning-elastic launch`` on two loopback "hosts" with a discovery script,
 SIGKILLs the worker on 127.0.0.2 once training is under way, then adds 127.0.0.3 to the
 discovery output. The job goes on in the surviving process, grows to the new host, and the
-driver ends with its summary. The demo's exit status is the driver's.
+driver ends with its summary; ``lightning-elastic timeline`` then draws the job's events
+as a PNG. The demo's exit status is the driver's.
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def main() -> int:
     code = driver.wait()
     for t in timers:
         t.cancel()
-    say(f"driver exited with status {code}; worker logs are in {work / 'logs'}")
+    say(f"driver exited with status {code}; worker logs and events.jsonl are in {work / 'logs'}")
+    drawn = subprocess.run([str(launcher), "timeline", str(work / "logs")], stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(drawn.stderr)  # where the PNG went, or why it could not be drawn
     return code
 
 

@@ -21,6 +21,14 @@ PROG = "lightning-elastic"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Elastic, fault-tolerant training for PyTorch.")
     sub = parser.add_subparsers(dest="verb", required=True)
+    timeline = sub.add_parser(
+        "timeline",
+        help="draw a job's membership timeline (from launch --log-dir) as a PNG",
+        description="Draw LOGDIR/events.jsonl: world size over time, a lane per host, faults, joins and "
+                    "recovery times. Needs matplotlib.",
+    )
+    timeline.add_argument("log_dir", type=Path, metavar="LOGDIR", help="the --log-dir of a launch")
+    timeline.add_argument("-o", "--output", type=Path, metavar="PNG", help="where to write (default: LOGDIR/timeline.png)")
     run = sub.add_parser(
         "launch",
         help="run a training command elastically",
@@ -74,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address the driver serves workers on (default: the one that routes to the hosts)")
     remote.add_argument("--network-interface", metavar="NAME",
                         help="serve workers on this interface's address")
-    run.add_argument("--log-dir", type=Path, metavar="DIR", help="also write each worker's output to DIR")
+    run.add_argument("--log-dir", type=Path, metavar="DIR",
+                     help="also write each worker's output, and the job's events.jsonl timeline, to DIR")
     run.add_argument("--verbose", action="store_true", help="log the driver's decisions in detail")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
     return parser
@@ -144,6 +153,8 @@ def resolve_env(entry: str) -> tuple[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verb == "timeline":
+        return draw_timeline(args.log_dir, args.output)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="lightning-elastic %(asctime)s %(levelname)s %(message)s",
@@ -169,6 +180,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     flush_or_discard(sys.stdout)
     flush_or_discard(sys.stderr)
     return result.exit_code
+
+
+def draw_timeline(log_dir: Path, output: Path | None) -> int:
+    from lightning_elastic.launcher.timeline import draw_log_dir  # noqa: PLC0415 - matplotlib only here
+
+    try:
+        written = draw_log_dir(log_dir, output)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{PROG}: timeline written to {written}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from lightning_elastic.launcher import membership, policy
 from lightning_elastic.launcher.config import LaunchConfig
 from lightning_elastic.launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
 from lightning_elastic.launcher.errors import ConfigError, LaunchError
+from lightning_elastic.launcher.events import EventLog
 from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey, count_slots
 from lightning_elastic.launcher.network import HostClassifier, choose_driver_address
@@ -101,8 +102,10 @@ class Driver:
         launcher: WorkerLauncher,
         is_local: Callable[[str], bool],
         clock: Callable[[], float] = time.monotonic,
+        events: EventLog | None = None,
     ) -> None:
         self._config = config
+        self._events = events if events is not None else EventLog(config.log_dir)
         self._clock = clock
         self._launcher = launcher
         self._is_local = is_local
@@ -143,6 +146,8 @@ class Driver:
             self._registry.cond.notify_all()
 
     def run(self) -> JobResult:
+        c = self._config
+        self._events.emit("job_started", np=c.np, min_np=c.min_np, max_np=c.max_np)
         try:
             first = self._discovery.start()
         except LaunchError as err:
@@ -154,6 +159,7 @@ class Driver:
             self._start_services()
             with self._registry.cond:
                 self._hosts.update(first)
+                self._events.emit("hosts_changed", added=[h.host for h in first], removed=[])
             verdict = self._loop()
         except ConfigError as err:
             verdict = policy.Verdict(False, str(err))
@@ -185,6 +191,8 @@ class Driver:
             self._server.close()
 
     def _result(self, verdict: policy.Verdict) -> JobResult:
+        self._events.emit("job_ended", success=verdict.success, reason=verdict.reason)
+        self._events.close()
         return JobResult(
             success=verdict.success,
             reason=verdict.reason,
@@ -215,6 +223,7 @@ class Driver:
                     verdict = self._plan()
                 if verdict is None:
                     verdict = self._maybe_form_round()
+                self._events.observe(reg.breaks, reg.first_steps, reg.round.number if reg.round else 0)
                 if verdict is not None:
                     return verdict
                 reg.cond.wait(self._config.timeouts.tick)
@@ -234,6 +243,7 @@ class Driver:
                 "Hosts changed: added %s, removed %s, resized %s.",
                 list(change.added), list(change.removed), list(change.resized),
             )
+            self._events.emit("hosts_changed", added=list(change.added), removed=list(change.removed))
 
     def _reachable(self, host: str) -> bool:
         """A remote host cannot reach services bound to loopback: refuse it, say how to fix it."""
@@ -301,6 +311,7 @@ class Driver:
         )
         self._processes[worker_id] = self._launcher.start(spec, prefix)
         log.info("Started worker %s (pid %d).", worker_id, self._processes[worker_id].pid)
+        self._events.emit("worker_started", worker=worker_id, host=slot.slot.host, pid=self._processes[worker_id].pid)
 
     def _stop_worker(self, record: WorkerRecord, why: str) -> None:
         if record.worker_id in self._stopping or record.state.finished:
@@ -331,6 +342,7 @@ class Driver:
             if outcome == p.Outcome.DONE and status == 0:
                 record.state = WorkerState.DONE
                 log.info("Worker %s finished training and exited.", record.worker_id)
+                self._events.emit("worker_done", worker=record.worker_id, host=record.slot.host)
             elif outcome == p.Outcome.REMOVED and status != 0:
                 # It left its round cleanly, then crashed on its way out: no round to break.
                 self._fail(record, status, break_round=False, blacklist=False)
@@ -341,13 +353,18 @@ class Driver:
                     self._held_until[record.slot] = now + self._config.timeouts.preemption_grace
                     log.info("Worker %s left the job on %s; host %s stays usable.",
                              record.worker_id, record.departing, record.slot.host)
+                    self._events.emit("worker_left", worker=record.worker_id, host=record.slot.host,
+                                      reason=f"left on {record.departing}")
                 else:
                     log.info("Worker %s left the job (exit status %d).", record.worker_id, status)
+                    self._events.emit("worker_left", worker=record.worker_id, host=record.slot.host,
+                                      reason="removed from the job")
             elif record.leave and not record.departing and record.worker_id not in self._kill_reasons:
                 # Told to leave (its slot was removed) or stopped by the driver: not a failure,
                 # but a member that goes before it reaches the rendezvous is lost to its round.
                 record.state = WorkerState.REMOVED
                 log.info("Worker %s left the job (exit status %d).", record.worker_id, status)
+                self._events.emit("worker_left", worker=record.worker_id, host=record.slot.host, reason="stopped")
                 if in_round and not finishing:
                     reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was stopped")  # type: ignore[union-attr]
             else:
@@ -385,6 +402,7 @@ class Driver:
         self._failure_of[record.worker_id] = text
         self._failures.append(text)
         log.warning("Worker %s %s.", record.worker_id, how)
+        self._events.emit("worker_failed", worker=record.worker_id, host=record.slot.host, reason=text)
         round_ = self._registry.round
         if break_round and round_ is not None:
             self._registry.mark_round_broken(round_.number, text)
@@ -394,6 +412,7 @@ class Driver:
         if not self._hosts.is_blacklisted(host):
             cooldown = self._hosts.blacklist(host)
             self._blacklisted.append(host)
+            self._events.emit("host_blacklisted", host=host, reason=text)
             log.warning(
                 "Blacklisted host %s %s.",
                 host,
@@ -538,6 +557,7 @@ class Driver:
             self._announced_for = membership.slots_of(self._target)
             self._reset_pending_since = self._clock()
             log.info("Announced host change to the workers of round %d (generation %d).", view.round_number, generation)
+            self._events.host_change_announced(view.round_number, generation)
         return None
 
     def _apply(self, new: membership.Plan) -> None:
@@ -569,6 +589,8 @@ class Driver:
             "Round %d formed with %d worker(s): %s.",
             info.number, len(members), ", ".join(f"rank {a.rank}={r.worker_id}" for r, a in members),
         )
+        self._events.round_formed(
+            info.number, [{"rank": a.rank, "worker": r.worker_id, "host": r.slot.host} for r, a in members])
         return None
 
 

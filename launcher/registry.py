@@ -119,6 +119,8 @@ class Registry:
         self.generation = 0
         self.broken_rounds: set[int] = set()
         self.breaks: list[RoundBreak] = []  # in round order
+        # Round -> the earliest first training step any member reported in it (wall clock).
+        self.first_steps: dict[int, float] = {}
         # Set once the same collective error has ended too many rounds: the job's end.
         self.repeated_error: str | None = None
         self.closing = False  # the driver is shutting down: no graceful leaves any more
@@ -246,6 +248,11 @@ class Registry:
         with self.cond:
             record = self._get(request.worker_id)
             record.last_heartbeat = self._clock()
+            if request.stepped_round > 0:
+                known = self.first_steps.get(request.stepped_round)
+                if known is None or request.stepped_at < known:
+                    self.first_steps[request.stepped_round] = request.stepped_at
+                    self.cond.notify_all()
             # Wake early on a broken round too: a member blocked in a collective on a dead
             # peer (NCCL often hangs rather than fails) learns it a long-poll sooner.
             while (self.generation <= request.known_generation

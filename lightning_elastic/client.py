@@ -31,8 +31,9 @@ class DriverClient:
         return self._post(p.PATH_RENDEZVOUS, p.RendezvousRequest(self.worker_id, after_round),
                           p.RendezvousReply, wait=p.RENDEZVOUS_POLL)
 
-    def heartbeat(self, known_generation: int, known_broken_round: int, wait: float) -> p.HeartbeatReply:
-        request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait)
+    def heartbeat(self, known_generation: int, known_broken_round: int, wait: float,
+                  stepped: tuple[int, float] = (0, 0.0)) -> p.HeartbeatReply:
+        request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait, *stepped)
         return self._post(p.PATH_HEARTBEAT, request, p.HeartbeatReply, wait=wait, retry_for=0.0)
 
     def round_lost(self, round_number: int, wait: float, collective: bool = False, error: str = "",

@@ -109,6 +109,8 @@ class HeartbeatRequest:
     known_generation: int
     known_broken_round: int  # highest broken round the worker has heard of (0: none)
     wait_seconds: float  # long poll: answer early when the generation or broken round moves past known
+    stepped_round: int = 0  # the newest round in which this worker completed a training step (0: none)
+    stepped_at: float = 0.0  # its first step in that round, the worker's wall clock (for the timeline)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -179,6 +179,12 @@ class ElasticWorker:
         # The gloo connections of the group formed for round N: (N, connections).
         self._group_connections: tuple[int, frozenset[group_sockets.Connection]] = (0, frozenset())
         self._group_abandoned = False  # a collective of the current group was given up
+        # (round, wall time) of this worker's first training step in its newest round: sent
+        # with heartbeats, for the driver's timeline.
+        self._stepped: tuple[int, float] = (0, 0.0)
+        self._reset_started_at: float | None = None
+        self.resets = 0  # resets this worker went through (recoveries and host changes)
+        self.last_recovery_s: float | None = None  # from its last reset to the next first step
 
     @classmethod
     def from_environment(
@@ -222,6 +228,8 @@ class ElasticWorker:
 
     def reset(self) -> None:
         """Leave the current round and join the next one (called by ``@run``)."""
+        self._reset_started_at = time.time()
+        self.resets += 1
         if self._group_abandoned:
             abandon_round_group()
             self._group_abandoned = False
@@ -338,6 +346,7 @@ class ElasticWorker:
         generation any rank's heartbeat saw common knowledge; calls that come faster than
         ``CHECK_PERIOD_S`` apart share one, and every rank raises at the same call.
         """
+        self._note_step()
         if self.settings is None or self._host_check is None:
             return
         with self._lock:
@@ -347,6 +356,19 @@ class ElasticWorker:
     def note_commit(self) -> None:
         """Count a commit: the driver tells a repeating error from one that makes progress."""
         self._commits_in_round += 1
+        self._note_step()
+
+    def _note_step(self) -> None:
+        """A training step completed (a commit or a host check follows one): the first of a
+        round is when training resumed, for the timeline and ``last_recovery_s``."""
+        a = self._assignment
+        if a is None or self._stepped[0] == a.round:
+            return
+        now = time.time()
+        self._stepped = (a.round, now)
+        if self._reset_started_at is not None:
+            self.last_recovery_s = now - self._reset_started_at
+            self._reset_started_at = None
 
     def classify_error(self, error: str, collective: bool) -> p.RoundLostReply:
         """The driver's decision on an error this worker caught: recover (a lost peer), or not.
@@ -435,7 +457,7 @@ class ElasticWorker:
             try:
                 with self._lock:
                     known, known_broken = self._seen_generation, self._last_broken_round
-                reply = self._client.heartbeat(known, known_broken, interval)
+                reply = self._client.heartbeat(known, known_broken, interval, self._stepped)
             except RendezvousError as err:
                 if "(409)" in str(err):
                     # The driver counts this worker as gone (it missed heartbeats behind a

@@ -73,6 +73,7 @@ class ElasticCallback(Callback):
         self._pacer = CommitPacer(commit_budget, max_redo_seconds) if commit_every_n_steps is None else None
         self._last_step = 0  # the global step at the last batch end seen
         self._world_size_shown = False
+        self._metrics_logged = False  # elastic/* sent to the loggers in this fit attempt
 
     @property
     def state_key(self) -> str:
@@ -86,6 +87,7 @@ class ElasticCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed fit starts at the commit's step
         self._world_size_shown = False
+        self._metrics_logged = False
         if self._pacer is not None:
             self._pacer.start()
 
@@ -123,6 +125,9 @@ class ElasticCallback(Callback):
                 if not committed:
                     strategy.take_commit(trainer)
                 raise
+        if not self._metrics_logged:
+            self._metrics_logged = True
+            _log_elastic_metrics(trainer)
 
     def _commit_due(self, last: int, step: int) -> bool:
         if self._pacer is not None:
@@ -248,6 +253,20 @@ def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
             values = getattr(scheduler, attribute, None)
             if isinstance(values, list) and all(isinstance(v, (int, float)) for v in values):
                 setattr(scheduler, attribute, [v * factor for v in values])
+
+
+def _log_elastic_metrics(trainer: pl.Trainer) -> None:
+    """``elastic/world_size``, ``elastic/resets`` and ``elastic/last_recovery_s`` (this
+    process's last reset to its first step after it) to the Trainer's loggers, once per fit
+    attempt, from global rank 0."""
+    if not trainer.is_global_zero or not trainer.loggers:
+        return
+    worker = trainer.strategy.worker
+    metrics = {"elastic/world_size": float(trainer.world_size), "elastic/resets": float(worker.resets)}
+    if worker.last_recovery_s is not None:
+        metrics["elastic/last_recovery_s"] = float(worker.last_recovery_s)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
 
 
 def _renamed(old_name: str, old_value: int | None, value: int | None) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 import requests
@@ -91,6 +92,32 @@ def test_added_host_joins_with_broadcast_state(job: Job) -> None:
     assert joiner and joiner[0]["round"] == 2
     assert_epochs_complete(job, 4)
     assert_replicas_identical(job)
+
+
+def test_timeline_of_a_kill_and_a_join_matches_the_summary(job: Job) -> None:
+    logs = job.dir / "logs"
+    job.set_hosts(H1, H2)
+    job.start(discovery_args(job, "-np", "2", "--min-np", "1", "--max-np", "2", "--log-dir", str(logs)),
+              [*SLOW, "--epochs", "4"])
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
+    job.wait_rounds(2)
+    job.set_hosts(H1, H2, H3)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [2, 1, 2]
+    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    assert [e["size"] for e in events if e["kind"] == "round_formed"] == job.world_sizes()
+    recoveries = [e for e in events if e["kind"] == "recovery"]
+    assert [(r["round"], r["after"]) for r in recoveries] == [(2, "fault"), (3, "host change")]
+    assert all(r["duration_s"] > 0 for r in recoveries)
+    failed = [e["worker"] for e in events if e["kind"] == "worker_failed"]
+    assert failed == [w for w in failed if w.startswith("127.0.0.2")] and len(failed) == 1  # "failures: 1"
+    assert "failures:      1" in job.stderr()
+    assert events[-1]["kind"] == "job_ended" and events[-1]["success"] is True
+    drawn = subprocess.run([str(job.launcher), "timeline", str(logs)], capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0, drawn.stderr
+    assert (logs / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_removed_host_shrinks_world_without_rollback(job: Job) -> None:

@@ -9,6 +9,7 @@ epochs, step counts, the LR schedule and scaling, and identical replicas.
 from __future__ import annotations
 
 import collections
+import csv
 import os
 import signal
 import subprocess
@@ -113,6 +114,14 @@ def test_sigkill_of_rank0_fit_completes_in_surviving_processes(job: Job) -> None
     metrics = (job.dir / "logs" / "spirals" / "version_0" / "metrics.csv").read_text().splitlines()
     last_logged_step = max(int(line.split(",")[metrics[0].split(",").index("step")]) for line in metrics[1:])
     assert last_logged_step > max(e["step"] for e in job.events("step") if e["round"] == 1)
+    # The elastic metrics, once per fit attempt, from rank 0: world 2 after one reset, and
+    # the reset's duration (the first attempt's row went down with the killed rank 0's
+    # unflushed CSV logger, or is there with world 3 and no reset).
+    rows = list(csv.DictReader(metrics))
+    elastic = [(float(r["elastic/world_size"]), float(r["elastic/resets"]), r["elastic/last_recovery_s"])
+               for r in rows if r.get("elastic/world_size")]
+    assert elastic and elastic[-1][:2] == (2.0, 1.0) and 0 < float(elastic[-1][2]) < 60, elastic
+    assert all(row[:2] == (3.0, 0.0) for row in elastic[:-1]), elastic
     # The progress bar's metrics carry the world size.
     assert {e["progress_bar_world_size"] for e in job.events("step") if e["round"] == 2} - {None} == {2.0}
     assert "job succeeded" in job.reason()

@@ -56,6 +56,8 @@ class FakeWorker:
         self.interrupt_at = set(interrupt_at)
         self.checks = 0
         self.commits = 0
+        self.resets = 0
+        self.last_recovery_s: float | None = None
 
     def note_commit(self) -> None:
         self.commits += 1

@@ -53,7 +53,8 @@ def fit(callback: ElasticCallback, epochs: int, batches: int, steps_per_batch: f
     """Batch ends of a fit: ``steps_per_batch`` 0.5 is gradient accumulation over 2 batches
     (the epoch's last batch always steps, as Lightning does), 2 is two optimizers."""
     strategy = ScriptedStrategy(worker or FakeWorker())
-    trainer = types.SimpleNamespace(strategy=strategy, global_step=start_step, callbacks=[callback], world_size=1)
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=start_step, callbacks=[callback], world_size=1,
+                                    is_global_zero=True, loggers=[])
     callback.on_train_start(trainer, None)
     for _ in range(epochs):
         for batch_idx in range(batches):
@@ -87,7 +88,8 @@ def test_the_default_paces_commits_and_checks_every_step(monkeypatch):
     worker = FakeWorker()
     callback = ElasticCallback()
     strategy = ScriptedStrategy(worker, on_commit=lambda: clock.advance(0.0005))
-    trainer = types.SimpleNamespace(strategy=strategy, global_step=0, callbacks=[callback], world_size=1)
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=0, callbacks=[callback], world_size=1,
+                                    is_global_zero=True, loggers=[])
     callback.on_train_start(trainer, None)
     for batch_idx in range(20):
         clock.advance(0.010)
@@ -153,7 +155,8 @@ def test_a_resumed_fit_counts_from_the_commits_step():
 def test_a_host_change_commits_the_live_state_before_the_interrupt():
     callback = ElasticCallback(commit_every_n_steps=10, check_every_n_steps=1)
     strategy = ScriptedStrategy(FakeWorker(interrupt_at=[3]))
-    trainer = types.SimpleNamespace(strategy=strategy, global_step=0, callbacks=[callback], world_size=1)
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=0, callbacks=[callback], world_size=1,
+                                    is_global_zero=True, loggers=[])
     callback.on_train_start(trainer, None)
     with pytest.raises(HostsUpdatedInterrupt):
         for batch_idx in range(5):
@@ -165,7 +168,8 @@ def test_a_host_change_commits_the_live_state_before_the_interrupt():
 def test_only_the_committing_callback_commits():
     first, second = ElasticCallback(), ScaleLearningRate()
     strategy = ScriptedStrategy(FakeWorker())
-    trainer = types.SimpleNamespace(strategy=strategy, global_step=1, callbacks=[second, first], world_size=1)
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=1, callbacks=[second, first], world_size=1,
+                                    is_global_zero=True, loggers=[])
     second.on_train_batch_end(trainer, None, None, None, 0)
     assert strategy.commits == []
     first.on_train_batch_end(trainer, None, None, None, 0)
@@ -182,3 +186,28 @@ def test_the_old_batch_names_still_work_with_a_deprecation_warning():
 def test_a_bad_interval_is_a_one_line_error(value):
     with pytest.raises(ValueError, match=f"ElasticCallback: commit_every_n_steps must be a positive integer, got {value!r}"):
         ElasticCallback(commit_every_n_steps=value)
+
+
+class RecordingLogger:
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict, int]] = []
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.logged.append((metrics, step))
+
+
+@pytest.mark.parametrize("global_zero", [True, False])
+def test_elastic_metrics_go_to_the_loggers_once_per_fit_attempt_from_rank_zero(global_zero):
+    worker = FakeWorker(rank=0 if global_zero else 1, size=3)
+    worker.resets, worker.last_recovery_s = 2, 0.125
+    logger = RecordingLogger()
+    callback = ElasticCallback(commit_every_n_steps=1)
+    trainer = types.SimpleNamespace(strategy=ScriptedStrategy(worker), global_step=0, callbacks=[callback],
+                                    world_size=3, is_global_zero=global_zero, loggers=[logger])
+    for attempt in range(2):
+        callback.on_train_start(trainer, None)
+        for batch_idx in range(3):
+            trainer.global_step += 1
+            callback.on_train_batch_end(trainer, None, None, None, batch_idx)
+    expected = {"elastic/world_size": 3.0, "elastic/resets": 2.0, "elastic/last_recovery_s": 0.125}
+    assert logger.logged == ([(expected, 1), (expected, 4)] if global_zero else [])

@@ -1,0 +1,118 @@
+"""The job's membership timeline: ``events.jsonl`` in ``--log-dir``, one JSON object a line.
+
+Every event has ``time`` (wall clock, seconds since the epoch: workers' first-step times
+come from their own clocks, and the driver's monotonic clock means nothing to them) and
+``kind``; the other fields depend on the kind:
+
+=================== =============================================================
+``job_started``     ``np``, ``min_np``, ``max_np``
+``hosts_changed``   ``added``, ``removed`` (host names; the first discovery adds all)
+``host_blacklisted``  ``host``, ``reason``
+``worker_started``  ``worker``, ``host``, ``pid``
+``worker_failed``   ``worker``, ``host``, ``reason``
+``worker_left``     ``worker``, ``host``, ``reason`` (removed, preempted, stopped)
+``worker_done``     ``worker``, ``host``
+``reset_announced`` ``round``, ``generation`` (a host change: members re-form)
+``round_broken``    ``round``, ``cause`` (a member was lost)
+``round_formed``    ``round``, ``size``, ``members`` (``[{"rank", "worker", "host"}]``)
+``first_step``      ``round``, ``at`` (the earliest first step a member reported)
+``recovery``        ``round``, ``after`` (``"fault"`` or ``"host change"``), ``since``,
+                    ``duration_s``: from the fault (the round breaking) or the
+                    announcement to the new round's first step
+``job_ended``       ``success``, ``reason``
+=================== =============================================================
+
+``lightning-elastic timeline LOGDIR`` draws it (``launcher/timeline.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+FILE_NAME = "events.jsonl"
+
+
+class EventLog:
+    """Appends events to ``directory/events.jsonl``; with no directory, records nothing."""
+
+    def __init__(self, directory: Path | None, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._file: IO[str] | None = None
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._file = open(directory / FILE_NAME, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        # What the registry showed at the last observe(): new facts become events.
+        self._breaks_seen = 0
+        self._first_steps_seen: set[int] = set()
+        self._reset_cause: dict[int, tuple[str, float]] = {}  # next round -> (what, when)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        if self._file is None:
+            return
+        record = {"time": round(fields.pop("time", None) or self._clock(), 6), "kind": kind, **fields}
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def host_change_announced(self, round_number: int, generation: int) -> None:
+        self.emit("reset_announced", round=round_number, generation=generation)
+        self._reset_cause.setdefault(round_number + 1, ("host change", self._clock()))
+
+    def round_formed(self, number: int, members: list[dict[str, Any]]) -> None:
+        self.emit("round_formed", round=number, size=len(members), members=members)
+
+    def observe(self, breaks: list[Any], first_steps: dict[int, float], current_round: int) -> None:
+        """Turn what the registry learnt since the last call into events (driver lock held)."""
+        for b in breaks[self._breaks_seen:]:
+            now = self._clock()
+            self.emit("round_broken", round=b.round, cause=b.cause)
+            # A fault outranks a host change announced just before it: recovery starts here.
+            self._reset_cause[b.round + 1] = ("fault", now)
+        self._breaks_seen = len(breaks)
+        for number in sorted(first_steps):
+            if number in self._first_steps_seen or number > current_round:
+                continue
+            self._first_steps_seen.add(number)
+            at = first_steps[number]
+            self.emit("first_step", round=number, at=round(at, 6))
+            cause = self._first_cause_before(number)
+            if cause is not None:
+                what, since = cause
+                self.emit("recovery", round=number, after=what, since=round(since, 6),
+                          duration_s=round(max(0.0, at - since), 6))
+
+    def _first_cause_before(self, number: int) -> tuple[str, float] | None:
+        """What ended the round before ``number``: rounds numbers are consecutive, but a
+        cause recorded for a round that never formed (a re-planned world) carries over."""
+        causes = [k for k in self._reset_cause if k <= number]
+        if not causes:
+            return None
+        key = max(causes)
+        cause = self._reset_cause[key]
+        for k in causes:
+            del self._reset_cause[k]
+        return cause
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The events of ``path`` (``events.jsonl`` or the directory holding it), in file order."""
+    if path.is_dir():
+        path = path / FILE_NAME
+    events = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not a JSON event ({err.msg})") from None
+    return events
