@@ -33,6 +33,7 @@ _EXPORTS = {
     "lightning_elastic.state": ("ObjectState", "State", "TorchState"),
     "lightning_elastic.worker": ("ElasticWorker", "SlotInfo"),
     "lightning_elastic.lightning": ("ElasticCallback", "ElasticStrategy", "ScaleLearningRate"),
+    "lightning_elastic.fabric": ("ElasticFabricStrategy", "FabricState"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
         slot_info,
     )
     from lightning_elastic.ddp import DistributedDataParallel
-    from lightning_elastic.errors import CollectiveError, ElasticError, HostsUpdatedInterrupt, RendezvousError
+    from lightning_elastic.errors import CollectiveError
+    from lightning_elastic.fabric import ElasticFabricStrategy, FabricState, ElasticError, HostsUpdatedInterrupt, RendezvousError
     from lightning_elastic.lightning import ElasticCallback, ElasticStrategy, ScaleLearningRate
     from lightning_elastic.runner import run
     from lightning_elastic.sampler import ElasticSampler
@@ -78,8 +80,15 @@ def _register_with(module: ModuleType) -> None:
     register_strategy(module.__name__)
 
 
+def _register_with_fabric(_module: ModuleType) -> None:
+    from lightning_elastic.fabric import register_fabric_strategy
+
+    register_fabric_strategy()
+
+
 call_after_import("lightning.pytorch", _register_with)
 call_after_import("pytorch_lightning", _register_with)
+call_after_import("lightning.fabric", _register_with_fabric)
 
 __all__ = [
     "CollectiveError",
@@ -88,8 +97,10 @@ __all__ = [
     "ElasticStrategy",
     "ScaleLearningRate",
     "ElasticError",
+    "ElasticFabricStrategy",
     "ElasticSampler",
     "ElasticWorker",
+    "FabricState",
     "HostsUpdatedInterrupt",
     "ObjectState",
     "RendezvousError",

@@ -1,7 +1,8 @@
 """Loaded at interpreter start in every worker ``lightning-elastic launch`` starts.
 
 ``lightning-elastic launch`` puts this folder first on ``PYTHONPATH`` so that a Lightning
-script resolves ``strategy="elastic_hvd"`` without importing ``lightning_elastic`` itself.
+(Trainer or Fabric) script resolves ``strategy="elastic_hvd"`` without importing
+``lightning_elastic`` itself.
 It costs nothing until Lightning is imported: then ``lightning_elastic`` is imported, which
 registers the strategy. Any other ``sitecustomize`` on the path still runs afterwards.
 """
@@ -27,6 +28,7 @@ def _install() -> None:
 
     hook.call_after_import("lightning.pytorch", register)
     hook.call_after_import("pytorch_lightning", register)
+    hook.call_after_import("lightning.fabric", register)
 
 
 def _run_next_sitecustomize() -> None:

@@ -1,0 +1,278 @@
+"""Lightning Fabric: ``Fabric(strategy="elastic_hvd")`` and ``le.FabricState``.
+
+A Fabric loop is a hand-written loop, so it is made elastic the way a plain one is: inside
+``@le.run``, with a state that commits, restores and syncs. What Fabric adds is handled
+here:
+
+- ``ElasticFabricStrategy`` (registered as ``"elastic_hvd"`` in Fabric's strategy registry)
+  is Fabric's DDP over the elastic worker's process group: ``fabric.launch()`` joins the
+  job instead of starting processes (``lightning-elastic launch`` started them), and rank
+  and world size follow the worker from round to round.
+- ``fabric.setup_dataloaders`` gets the elastic sampler (each sample once per epoch in the
+  committed history, across resets) instead of torch's ``DistributedSampler``.
+- ``le.FabricState(fabric, model=..., optimizer=..., loader=..., epoch=0)`` commits what
+  ``fabric.save`` would save of them (the unwrapped model's and optimizer's state dicts, the
+  plain values) plus the sampler's position; ``state.setup()`` runs ``fabric.setup`` on the
+  current round's group, and is called again in every attempt (a torch DDP is bound to the
+  group it was built on).
+
+Only public Fabric APIs are used, so nothing here goes through
+``lightning_elastic.lightning.compat``; importing this module imports ``lightning.fabric``,
+not ``lightning.pytorch``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from lightning_elastic import api
+from lightning_elastic.process_group import validate_backend, validate_timeout
+from lightning_elastic.sampler import ElasticSampler
+from lightning_elastic.state import TorchState
+from lightning_elastic.worker import ElasticWorker
+
+STRATEGY_NAME = "elastic_hvd"
+
+
+class FabricEnvironment(ClusterEnvironment):
+    """Fabric's view of the current round: every answer comes from the worker's assignment."""
+
+    def __init__(self, strategy: ElasticFabricStrategy) -> None:
+        self._strategy = strategy
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True  # lightning-elastic launch starts the workers
+
+    @property
+    def main_address(self) -> str:
+        return self._strategy.worker.assignment.store_host or "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return self._strategy.worker.assignment.store_port
+
+    @staticmethod
+    def detect() -> bool:
+        return False  # chosen through the strategy, never by environment detection
+
+    def world_size(self) -> int:
+        return self._strategy.worker.assignment.size
+
+    def set_world_size(self, size: int) -> None:
+        pass  # decided by the rendezvous
+
+    def global_rank(self) -> int:
+        return self._strategy.worker.assignment.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # decided by the rendezvous
+
+    def local_rank(self) -> int:
+        return self._strategy.worker.assignment.local_rank
+
+    def node_rank(self) -> int:
+        return self._strategy.worker.assignment.cross_rank
+
+
+class ElasticFabricStrategy(DDPStrategy):
+    """Fabric's DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo)."""
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision: Any = None,
+        worker: ElasticWorker | None = None,
+        timeout: timedelta | None = None,
+        process_group_backend: str | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"ElasticFabricStrategy: timeout must be a datetime.timedelta, got {timeout!r}")
+        self._collective_timeout = None if timeout is None else validate_timeout(timeout.total_seconds())
+        self._requested_backend = None if process_group_backend is None else validate_backend(process_group_backend)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=FabricEnvironment(self),
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            **({"timeout": timeout} if timeout is not None else {}),
+            **ddp_kwargs,
+        )
+        self._worker = worker
+        self.sampler: ElasticSampler | None = None  # the last training sampler installed
+
+    @property
+    def worker(self) -> ElasticWorker:
+        """The process's elastic worker; the first use joins the job (rendezvous)."""
+        if self._worker is None:
+            self._worker = api.init(use_cuda=self._wants_cuda(), collective_timeout=self._collective_timeout,
+                                    backend=self._requested_backend)
+        return self._worker
+
+    def _wants_cuda(self) -> bool:
+        devices = self.parallel_devices or []
+        return bool(devices) and devices[0].type == "cuda"
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._wants_cuda():
+            return torch.device("cuda", self.worker.assignment.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def distributed_sampler_kwargs(self) -> None:
+        # None: Fabric leaves the sampler alone; process_dataloader installs the elastic one.
+        return None
+
+    def _configure_launcher(self) -> None:
+        self._launcher = None  # the processes exist already: lightning-elastic launch started them
+
+    def _setup_distributed(self) -> None:
+        # The worker forms each round's group at its rendezvous; Fabric only reads the ranks.
+        self._process_group_backend = self.worker.backend
+        self.refresh_ranks()
+
+    def _get_process_group_backend(self) -> str:
+        return self.worker.backend
+
+    def refresh_ranks(self) -> None:
+        """After a reset: rank-zero-only logging follows the new rank."""
+        rank_zero_only.rank = self.global_rank
+
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        order = _sampling_order(dataloader)
+        if order is None:
+            warnings.warn(
+                "lightning-elastic: this DataLoader has a custom sampler, batch sampler or class; it is left "
+                "alone, so samples may be repeated or skipped across resets (use a plain DataLoader with "
+                "batch_size and shuffle for exactly-once epochs).", stacklevel=2,
+            )
+            return dataloader
+        shuffle, seed = order
+        sampler = ElasticSampler(dataloader.dataset, shuffle=shuffle, seed=seed, worker=self.worker,
+                                 batch_size=dataloader.batch_size)
+        self.sampler = sampler
+        return _with_sampler(dataloader, _NoAutoEpoch(sampler))
+
+
+class _NoAutoEpoch(Sampler[int]):
+    """The elastic sampler without ``set_epoch``: Fabric's loader wrapper sets the epoch of a
+    sampler that has one to the number of times it was iterated, which after a reset is
+    not the epoch. The elastic sampler's epoch is committed state, set by the loop."""
+
+    def __init__(self, sampler: ElasticSampler) -> None:
+        self.elastic = sampler
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.elastic)
+
+    def __len__(self) -> int:
+        return len(self.elastic)
+
+
+def _sampling_order(dataloader: DataLoader) -> tuple[bool, int] | None:
+    """(shuffle, seed) of a plain DataLoader the elastic sampler can stand in for."""
+    if type(dataloader) is not DataLoader or isinstance(dataloader.dataset, IterableDataset):
+        return None
+    if dataloader.batch_size is None:
+        return None
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # fabric.seed_everything sets it
+    if type(dataloader.sampler) is RandomSampler:
+        return True, seed
+    if type(dataloader.sampler) is SequentialSampler:
+        return False, seed
+    return None
+
+
+def _with_sampler(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
+    """The same DataLoader (its public arguments) with ``sampler``."""
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+    )
+
+
+class FabricState(TorchState):
+    """``TorchState`` for a Fabric loop: ``le.FabricState(fabric, model=m, optimizer=o, loader=l, epoch=0)``.
+
+    ``model`` and ``optimizer`` are the unwrapped objects (what ``fabric.save`` saves of
+    them); ``loader`` is the training loader ``fabric.setup_dataloaders`` returned, whose
+    elastic sampler's position is committed with the rest. In ``@le.run``:
+    ``model, optimizer = state.setup()`` at the start of every attempt,
+    ``state.sampler.set_epoch(state.epoch)`` at the start of every epoch, and
+    ``state.record_batch(batch_idx)`` after every step.
+    """
+
+    def __init__(self, fabric: Fabric, model: Any = None, optimizer: Any = None, loader: Any = None,
+                 **values: Any) -> None:
+        strategy = fabric.strategy
+        if not isinstance(strategy, ElasticFabricStrategy):
+            raise ValueError(f"FabricState: the Fabric's strategy must be {STRATEGY_NAME!r}, got "
+                             f"{type(strategy).__name__}")
+        sampler = _elastic_sampler_of(loader) if loader is not None else None
+        if loader is not None and sampler is None:
+            raise ValueError("FabricState: loader must come from fabric.setup_dataloaders with the "
+                             f"{STRATEGY_NAME!r} strategy and a plain DataLoader (its sampler is not elastic)")
+        extra = {"sampler": sampler} if sampler is not None else {}
+        super().__init__(model, optimizer, worker=strategy.worker, **extra, **values)
+        object.__setattr__(self, "_fabric", fabric)
+        object.__setattr__(self, "_loader", loader)
+
+    @property
+    def fabric(self) -> Fabric:
+        return self._fabric
+
+    @property
+    def loader(self) -> Any:
+        return self._loader
+
+    def setup(self) -> Any:
+        """``fabric.setup(model, optimizer)`` on the current round's process group."""
+        strategy = self._fabric.strategy
+        assert isinstance(strategy, ElasticFabricStrategy)
+        strategy.refresh_ranks()
+        objects = [obj for obj in (getattr(self, "model", None), getattr(self, "optimizer", None)) if obj is not None]
+        return self._fabric.setup(*objects)
+
+    def record_batch(self, batch_idx: int) -> None:
+        """Count batch ``batch_idx`` of this pass over the loader as processed by every rank."""
+        sampler = getattr(self, "sampler", None)
+        if sampler is None or sampler.batch_size is None:
+            raise RuntimeError("FabricState.record_batch: no elastic loader was given (loader=...)")
+        sampler.record_batch(batch_idx, sampler.batch_size)
+
+
+def _elastic_sampler_of(loader: Any) -> ElasticSampler | None:
+    sampler = getattr(loader, "sampler", None)
+    return sampler.elastic if isinstance(sampler, _NoAutoEpoch) else None
+
+
+def register_fabric_strategy() -> None:
+    """Put ``"elastic_hvd"`` in Fabric's strategy registry (idempotent)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY  # noqa: PLC0415
+
+    if STRATEGY_NAME not in STRATEGY_REGISTRY:
+        STRATEGY_REGISTRY.register(
+            STRATEGY_NAME, ElasticFabricStrategy,
+            description="Elastic DDP for Fabric: survives lost workers and host changes in-process (lightning-elastic)",
+        )

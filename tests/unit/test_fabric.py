@@ -1,0 +1,86 @@
+"""lightning_elastic/fabric.py: Fabric's "elastic_hvd" strategy and FabricState, in a world of one.
+
+Each test that launches a Fabric runs in a process of its own (a world of one): the
+worker and Fabric's global rank state must not leak into the test session.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+_WORLD_OF_ONE = r"""
+import json, warnings, torch
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset, Sampler
+import lightning_elastic as le
+from lightning_elastic.fabric import ElasticFabricStrategy
+
+fabric = L.Fabric(strategy="elastic_hvd", accelerator="cpu", devices=1)
+fabric.launch()
+out = {"strategy": type(fabric.strategy).__name__, "world": fabric.world_size}
+data = TensorDataset(torch.arange(20).float().unsqueeze(1), torch.zeros(20, 1))
+loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
+model = torch.nn.Linear(1, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+state = le.FabricState(fabric, model=model, optimizer=optimizer, loader=loader, epoch=0)
+out["sampler"] = type(state.sampler).__name__
+# Fabric's loader sets a sampler's epoch to its iteration count; the elastic one keeps its own.
+state.sampler.set_epoch(5)
+list(loader); list(loader)
+out["epoch_after_two_passes"] = state.sampler.epoch
+ddp_model, ddp_optimizer = state.setup()
+out["wrapped"] = type(ddp_model._forward_module).__name__
+for batch_idx, (x, y) in enumerate(loader):
+    ddp_optimizer.zero_grad()
+    fabric.backward(torch.nn.functional.mse_loss(ddp_model(x), y))
+    ddp_optimizer.step()
+    state.record_batch(batch_idx)
+    if batch_idx == 1:
+        state.commit()
+        break
+out["committed_consumed"] = state._snapshot.committed().tree()["stateful"]["sampler"]["consumed"]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    class Custom(Sampler):
+        def __iter__(self): return iter(range(20))
+        def __len__(self): return 20
+    fabric.setup_dataloaders(DataLoader(data, batch_size=4, sampler=Custom()))
+out["custom_warning"] = any("custom sampler" in str(w.message) for w in caught)
+try:
+    le.FabricState(fabric, loader=DataLoader(data, batch_size=4))
+except ValueError as err:
+    out["plain_loader"] = str(err)
+print(json.dumps(out))
+"""
+
+
+def test_fabric_gets_the_strategy_the_elastic_sampler_and_commits_its_position(tmp_path):
+    result = subprocess.run([sys.executable, "-c", _WORLD_OF_ONE], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json  # noqa: PLC0415
+
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out == {
+        "strategy": "ElasticFabricStrategy", "world": 1, "sampler": "ElasticSampler",
+        "epoch_after_two_passes": 5, "wrapped": "DistributedDataParallel",
+        "committed_consumed": 8,  # two batches of 4 recorded before the commit
+        "custom_warning": True,
+        "plain_loader": "FabricState: loader must come from fabric.setup_dataloaders with the 'elastic_hvd' "
+                        "strategy and a plain DataLoader (its sampler is not elastic)",
+    }
+
+
+def test_a_fabric_state_needs_the_elastic_strategy():
+    import lightning as L  # noqa: PLC0415
+
+    import lightning_elastic as le  # noqa: PLC0415
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match="FabricState: the Fabric's strategy must be 'elastic_hvd', got SingleDeviceStrategy"):
+        le.FabricState(fabric)
