@@ -81,9 +81,7 @@ def _register_with(module: ModuleType) -> None:
 
 
 def _register_with_fabric(_module: ModuleType) -> None:
-    from lightning_elastic.fabric import register_fabric_strategy
-
-    register_fabric_strategy()
+    importlib.import_module("lightning_elastic.fabric")  # registers "elastic_hvd" on import
 
 
 call_after_import("lightning.pytorch", _register_with)

@@ -31,59 +31,18 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_elastic import api
+from lightning_elastic.lightning.environment import ElasticEnvironment, root_device, wants_cuda
 from lightning_elastic.process_group import validate_backend, validate_timeout
 from lightning_elastic.sampler import ElasticSampler
 from lightning_elastic.state import TorchState
 from lightning_elastic.worker import ElasticWorker
 
 STRATEGY_NAME = "elastic_hvd"
-
-
-class FabricEnvironment(ClusterEnvironment):
-    """Fabric's view of the current round: every answer comes from the worker's assignment."""
-
-    def __init__(self, strategy: ElasticFabricStrategy) -> None:
-        self._strategy = strategy
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True  # lightning-elastic launch starts the workers
-
-    @property
-    def main_address(self) -> str:
-        return self._strategy.worker.assignment.store_host or "127.0.0.1"
-
-    @property
-    def main_port(self) -> int:
-        return self._strategy.worker.assignment.store_port
-
-    @staticmethod
-    def detect() -> bool:
-        return False  # chosen through the strategy, never by environment detection
-
-    def world_size(self) -> int:
-        return self._strategy.worker.assignment.size
-
-    def set_world_size(self, size: int) -> None:
-        pass  # decided by the rendezvous
-
-    def global_rank(self) -> int:
-        return self._strategy.worker.assignment.rank
-
-    def set_global_rank(self, rank: int) -> None:
-        pass  # decided by the rendezvous
-
-    def local_rank(self) -> int:
-        return self._strategy.worker.assignment.local_rank
-
-    def node_rank(self) -> int:
-        return self._strategy.worker.assignment.cross_rank
 
 
 class ElasticFabricStrategy(DDPStrategy):
@@ -107,7 +66,7 @@ class ElasticFabricStrategy(DDPStrategy):
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=FabricEnvironment(self),
+            cluster_environment=ElasticEnvironment(self),
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
@@ -115,6 +74,8 @@ class ElasticFabricStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         self._worker = worker
+        if worker is not None:
+            worker.configure_collectives(self._collective_timeout, self._requested_backend)
         self.sampler: ElasticSampler | None = None  # the last training sampler installed
 
     @property
@@ -123,17 +84,15 @@ class ElasticFabricStrategy(DDPStrategy):
         if self._worker is None:
             self._worker = api.init(use_cuda=self._wants_cuda(), collective_timeout=self._collective_timeout,
                                     backend=self._requested_backend)
+            self._worker.configure_collectives(self._collective_timeout, self._requested_backend)
         return self._worker
 
     def _wants_cuda(self) -> bool:
-        devices = self.parallel_devices or []
-        return bool(devices) and devices[0].type == "cuda"
+        return wants_cuda(self.parallel_devices)
 
     @property
     def root_device(self) -> torch.device:
-        if self._wants_cuda():
-            return torch.device("cuda", self.worker.assignment.local_rank)
-        return torch.device("cpu")
+        return root_device(self.parallel_devices, self.worker)
 
     @property
     def distributed_sampler_kwargs(self) -> None:
@@ -276,3 +235,9 @@ def register_fabric_strategy() -> None:
             STRATEGY_NAME, ElasticFabricStrategy,
             description="Elastic DDP for Fabric: survives lost workers and host changes in-process (lightning-elastic)",
         )
+
+
+# Importing this module registers the name. The import hook that brings it in when
+# ``lightning.fabric`` is imported may run while this module is itself importing
+# ``lightning.fabric`` (half initialised); the registration then happens here, at its end.
+register_fabric_strategy()

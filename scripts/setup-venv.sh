@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs torch's CPU build, then the project with its test and docs extras.
+# Creates .venv (once) and installs torch's CPU build, then the project with its test, docs and
+# timeline extras (the demo draws its timeline).
 # Sourced by scripts/demo.sh and scripts/test.sh so both README commands work on a fresh clone.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -10,6 +11,6 @@ fi
 stamp="$venv/.installed-$(sha1sum "$root/pyproject.toml" | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
     "$venv/bin/pip" install -q torch==2.13.0
-    "$venv/bin/pip" install -q -e "$root[test,docs]"
+    "$venv/bin/pip" install -q -e "$root[test,docs,timeline]"
     touch "$stamp"
 fi

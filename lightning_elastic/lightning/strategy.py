@@ -15,7 +15,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -35,6 +34,7 @@ from lightning_elastic.lightning.commit import (
     take_split_commit,
 )
 from lightning_elastic.lightning.capture import CheckpointCapture
+from lightning_elastic.lightning.environment import ElasticEnvironment, root_device, wants_cuda
 from lightning_elastic.process_group import validate_backend, validate_timeout
 from lightning_elastic.sampler import ElasticSampler
 from lightning_elastic.snapshot import HostSnapshot
@@ -43,47 +43,6 @@ from lightning_elastic.worker import ElasticWorker
 log = logging.getLogger(__name__)
 
 STRATEGY_NAME = "elastic_hvd"
-
-
-class ElasticEnvironment(ClusterEnvironment):
-    """Lightning's view of the current round: every answer comes from the worker's assignment."""
-
-    def __init__(self, strategy: ElasticStrategy) -> None:
-        self._strategy = strategy
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True  # lightning-elastic launch starts the workers
-
-    @property
-    def main_address(self) -> str:
-        return self._strategy.worker.assignment.store_host or "127.0.0.1"
-
-    @property
-    def main_port(self) -> int:
-        return self._strategy.worker.assignment.store_port
-
-    @staticmethod
-    def detect() -> bool:
-        return False  # chosen through the strategy, never by environment detection
-
-    def world_size(self) -> int:
-        return self._strategy.worker.assignment.size
-
-    def set_world_size(self, size: int) -> None:
-        pass  # decided by the rendezvous
-
-    def global_rank(self) -> int:
-        return self._strategy.worker.assignment.rank
-
-    def set_global_rank(self, rank: int) -> None:
-        pass  # decided by the rendezvous
-
-    def local_rank(self) -> int:
-        return self._strategy.worker.assignment.local_rank
-
-    def node_rank(self) -> int:
-        return self._strategy.worker.assignment.cross_rank
 
 
 class ElasticStrategy(DDPStrategy):
@@ -142,14 +101,11 @@ class ElasticStrategy(DDPStrategy):
         return self._worker
 
     def _wants_cuda(self) -> bool:
-        devices = self.parallel_devices or []
-        return bool(devices) and devices[0].type == "cuda"
+        return wants_cuda(self.parallel_devices)
 
     @property
     def root_device(self) -> torch.device:
-        if self._wants_cuda():
-            return torch.device("cuda", self.worker.assignment.local_rank)
-        return torch.device("cpu")
+        return root_device(self.parallel_devices, self.worker)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
