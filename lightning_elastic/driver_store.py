@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
-from lightning_elastic.errors import CollectiveError, RendezvousError
+from lightning_elastic.errors import CollectiveError
 
 POLL = 2.0  # longest the driver holds one GET; the store asks again until its timeout
 
@@ -74,7 +74,11 @@ class DriverStore(dist.Store):
             if why is not None:
                 raise CollectiveError(f"{why} while its process group was forming (store key {key!r})")
             if remaining <= 0:
-                raise RendezvousError(f"store key {key!r} did not appear within {timeout.total_seconds():g} s")
+                # A peer of the forming round did not publish in time: the formation failed,
+                # as a collective fails. The round is re-formed (the driver bounds repeats);
+                # a RendezvousError here ended the worker (seen once in CI: both members of
+                # a new round timed out waiting for each other's key, and the job failed).
+                raise CollectiveError(f"store key {key!r} did not appear within {timeout.total_seconds():g} s")
 
     def add(self, key: str, amount: int) -> int:
         return int(base64.b64decode(self._call(p.StoreOp.ADD, key, amount=str(int(amount))).value))
