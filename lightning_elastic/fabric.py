@@ -35,8 +35,7 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from lightning_elastic import api
-from lightning_elastic.lightning.environment import ElasticEnvironment, root_device, wants_cuda
+from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked
 from lightning_elastic.process_group import validate_backend, validate_timeout
 from lightning_elastic.sampler import ElasticSampler
 from lightning_elastic.state import TorchState
@@ -45,7 +44,7 @@ from lightning_elastic.worker import ElasticWorker
 STRATEGY_NAME = "elastic_hvd"
 
 
-class ElasticFabricStrategy(DDPStrategy):
+class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
     """Fabric's DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo)."""
 
     def __init__(
@@ -61,8 +60,8 @@ class ElasticFabricStrategy(DDPStrategy):
     ) -> None:
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"ElasticFabricStrategy: timeout must be a datetime.timedelta, got {timeout!r}")
-        self._collective_timeout = None if timeout is None else validate_timeout(timeout.total_seconds())
-        self._requested_backend = None if process_group_backend is None else validate_backend(process_group_backend)
+        collective_timeout = None if timeout is None else validate_timeout(timeout.total_seconds())
+        backend = None if process_group_backend is None else validate_backend(process_group_backend)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -73,26 +72,7 @@ class ElasticFabricStrategy(DDPStrategy):
             **({"timeout": timeout} if timeout is not None else {}),
             **ddp_kwargs,
         )
-        self._worker = worker
-        if worker is not None:
-            worker.configure_collectives(self._collective_timeout, self._requested_backend)
-        self.sampler: ElasticSampler | None = None  # the last training sampler installed
-
-    @property
-    def worker(self) -> ElasticWorker:
-        """The process's elastic worker; the first use joins the job (rendezvous)."""
-        if self._worker is None:
-            self._worker = api.init(use_cuda=self._wants_cuda(), collective_timeout=self._collective_timeout,
-                                    backend=self._requested_backend)
-            self._worker.configure_collectives(self._collective_timeout, self._requested_backend)
-        return self._worker
-
-    def _wants_cuda(self) -> bool:
-        return wants_cuda(self.parallel_devices)
-
-    @property
-    def root_device(self) -> torch.device:
-        return root_device(self.parallel_devices, self.worker)
+        self._bind_worker(worker, collective_timeout, backend)
 
     @property
     def distributed_sampler_kwargs(self) -> None:
@@ -126,7 +106,6 @@ class ElasticFabricStrategy(DDPStrategy):
         shuffle, seed = order
         sampler = ElasticSampler(dataloader.dataset, shuffle=shuffle, seed=seed, worker=self.worker,
                                  batch_size=dataloader.batch_size)
-        self.sampler = sampler
         return _with_sampler(dataloader, _NoAutoEpoch(sampler))
 
 

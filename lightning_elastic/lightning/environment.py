@@ -1,19 +1,19 @@
-"""``ElasticEnvironment``: Lightning's cluster environment for an elastic job.
+"""``ElasticEnvironment`` and ``WorkerBacked``: what both elastic strategies need of the worker.
 
 Shared by the Trainer strategy (``strategy.py``) and the Fabric strategy
-(``lightning_elastic.fabric``): both ask their worker, which the rendezvous gives a new
-assignment at every round. Imports only ``lightning.fabric``, so the Fabric integration
+(``lightning_elastic.fabric``), with ``WorkerBacked``: both ask their worker, which the
+rendezvous gives a new assignment at every round. Imports only ``lightning.fabric``, so the Fabric integration
 does not load ``lightning.pytorch``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
+from lightning_elastic import api
 from lightning_elastic.worker import ElasticWorker
 
 
@@ -63,13 +63,43 @@ class ElasticEnvironment(ClusterEnvironment):
         return self._strategy.worker.assignment.cross_rank
 
 
-def wants_cuda(parallel_devices: Sequence[torch.device] | None) -> bool:
-    """Did Lightning choose GPUs for this strategy (its accelerator's devices)?"""
-    return bool(parallel_devices) and parallel_devices[0].type == "cuda"
+class WorkerBacked:
+    """What the Trainer and Fabric strategies share: the worker, joined on first use with the
+    strategy's collective timeout and backend, and the device of the current round.
 
+    Mixed in before Lightning's ``DDPStrategy`` (its ``root_device`` is replaced); the
+    strategy calls ``_bind_worker`` in its constructor, before anything asks for the worker.
+    """
 
-def root_device(parallel_devices: Sequence[torch.device] | None, worker: ElasticWorker) -> torch.device:
-    """``cuda:LOCAL_RANK`` of the current round on GPUs (the local rank may change at a reset), else the CPU."""
-    if wants_cuda(parallel_devices):
-        return torch.device("cuda", worker.assignment.local_rank)
-    return torch.device("cpu")
+    parallel_devices: list[torch.device] | None
+
+    def _bind_worker(self, worker: ElasticWorker | None, collective_timeout: float | None,
+                     backend: str | None) -> None:
+        self._worker = worker
+        self._collective_timeout = collective_timeout
+        self._requested_backend = backend
+        if worker is not None:
+            worker.configure_collectives(collective_timeout, backend)
+
+    @property
+    def worker(self) -> ElasticWorker:
+        """The process's elastic worker; the first use joins the job (rendezvous)."""
+        if self._worker is None:
+            # timeout= and process_group_backend= apply to the worker's process group, which
+            # the worker (not Lightning) forms at every round.
+            self._worker = api.init(use_cuda=self._wants_cuda(), collective_timeout=self._collective_timeout,
+                                    backend=self._requested_backend)
+            self._worker.configure_collectives(self._collective_timeout, self._requested_backend)
+        return self._worker
+
+    def _wants_cuda(self) -> bool:
+        """Did Lightning choose GPUs for this strategy (its accelerator's devices)?"""
+        devices = self.parallel_devices or []
+        return bool(devices) and devices[0].type == "cuda"
+
+    @property
+    def root_device(self) -> torch.device:
+        """``cuda:LOCAL_RANK`` of the current round on GPUs (the local rank may change at a reset), else the CPU."""
+        if self._wants_cuda():
+            return torch.device("cuda", self.worker.assignment.local_rank)
+        return torch.device("cpu")

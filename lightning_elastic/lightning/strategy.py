@@ -21,7 +21,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 import lightning.pytorch as pl
-from lightning_elastic import api
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.commit import (
     COMMIT_MARKER,
@@ -34,7 +33,7 @@ from lightning_elastic.lightning.commit import (
     take_split_commit,
 )
 from lightning_elastic.lightning.capture import CheckpointCapture
-from lightning_elastic.lightning.environment import ElasticEnvironment, root_device, wants_cuda
+from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked
 from lightning_elastic.process_group import validate_backend, validate_timeout
 from lightning_elastic.sampler import ElasticSampler
 from lightning_elastic.snapshot import HostSnapshot
@@ -45,7 +44,7 @@ log = logging.getLogger(__name__)
 STRATEGY_NAME = "elastic_hvd"
 
 
-class ElasticStrategy(DDPStrategy):
+class ElasticStrategy(WorkerBacked, DDPStrategy):
     """DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo)."""
 
     strategy_name = STRATEGY_NAME
@@ -62,8 +61,8 @@ class ElasticStrategy(DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         # Checked here, so a bad value fails when the Trainer is built, not at the first round.
-        self._collective_timeout = None if timeout is None else validate_timeout(_seconds(timeout))
-        self._requested_backend = None if process_group_backend is None else validate_backend(process_group_backend)
+        collective_timeout = None if timeout is None else validate_timeout(_seconds(timeout))
+        backend = None if process_group_backend is None else validate_backend(process_group_backend)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -75,9 +74,7 @@ class ElasticStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             **ddp_kwargs,
         )
-        self._worker = worker
-        if worker is not None:
-            worker.configure_collectives(self._collective_timeout, self._requested_backend)
+        self._bind_worker(worker, collective_timeout, backend)
         compat.ignore_mid_epoch_resume_warning()
         self.snapshot = HostSnapshot()  # the in-memory commit, kept across fit attempts
         self._capture = CheckpointCapture()
@@ -87,25 +84,6 @@ class ElasticStrategy(DDPStrategy):
         self._pending_sampler: SamplerPosition | None = None
 
     # ----- the world ------------------------------------------------------------------
-
-    @property
-    def worker(self) -> ElasticWorker:
-        """The process's elastic worker; the first use joins the job (rendezvous)."""
-        if self._worker is None:
-            # timeout= and process_group_backend= apply to the worker's process group, which
-            # the worker (not Lightning) forms at every round.
-            self._worker = api.init(
-                use_cuda=self._wants_cuda(), collective_timeout=self._collective_timeout, backend=self._requested_backend
-            )
-            self._worker.configure_collectives(self._collective_timeout, self._requested_backend)
-        return self._worker
-
-    def _wants_cuda(self) -> bool:
-        return wants_cuda(self.parallel_devices)
-
-    @property
-    def root_device(self) -> torch.device:
-        return root_device(self.parallel_devices, self.worker)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
