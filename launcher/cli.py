@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_elastic.launcher.config import LaunchConfig, SshSettings, Timeouts
+from lightning_elastic.launcher.config import LaunchConfig, RaySettings, SshSettings, Timeouts
 from lightning_elastic.launcher.driver import launch
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.hosts import HostSlots, count_slots, parse_host_list
@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--host-discovery-script", type=Path, metavar="PATH",
                         help="executable that prints the available hosts, one HOST[:SLOTS] per line")
     source.add_argument("-H", "--hosts", metavar="HOST:SLOTS[,HOST:SLOTS...]", help="fixed list of hosts")
+    source.add_argument("--ray", metavar="ADDRESS",
+                        help="run on a Ray cluster: its alive nodes are the hosts, each worker a Ray actor; "
+                             "ADDRESS as ray.init takes it (auto, HOST:PORT), or local for a private one-node Ray "
+                             "(needs the ray extra)")
     run.add_argument("--slots-per-host", "--slots", type=int, metavar="S",
                      help="slots of a discovered host that gives no count")
     run.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -52,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: blacklisted for the rest of the job)")
     run.add_argument("--discovery-interval", type=float, default=1.0, metavar="SECONDS",
                      help="how often to run the discovery script (default: 1)")
+    on_ray = run.add_argument_group("Ray (with --ray)")
+    on_ray.add_argument("--cpus-per-worker", type=float, metavar="C",
+                        help="CPUs a worker reserves; a node's slots are how many workers it fits (default: 1)")
+    on_ray.add_argument("--gpus-per-worker", type=float, metavar="G", help="GPUs a worker reserves (default: 0)")
     bounds = run.add_argument_group("bounds (seconds)")
     bounds.add_argument("--heartbeat-timeout", type=float, default=Timeouts.heartbeat_timeout, metavar="SECONDS",
                         help="a worker silent this long (hung, stopped, or its host unreachable) is lost "
@@ -99,12 +107,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         hosts = parse_host_list(args.hosts, args.slots_per_host)
     if args.slots_per_host is not None and args.slots_per_host < 1:
         raise ConfigError(f"--slots-per-host: must be at least 1, got {args.slots_per_host}")
+    ray = ray_settings(args)
     np_ = args.np
     if np_ is None:
         if script is not None:
             raise ConfigError("-np: required with --host-discovery-script")
+        if ray is not None:
+            raise ConfigError("-np: required with --ray")
         np_ = count_slots(hosts) if hosts is not None else 1
-    if hosts is None and script is None:
+    if hosts is None and script is None and ray is None:
         hosts = [HostSlots("localhost", np_)]
     if script is not None and not os.access(script, os.X_OK):
         raise ConfigError(f"--host-discovery-script: {script} is not an executable file")
@@ -131,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         max_np=args.max_np if args.max_np is not None else np_,
         hosts=tuple(hosts) if hosts is not None else None,
         discovery_script=script,
+        ray=ray,
         slots_per_host=args.slots_per_host,
         elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit,
@@ -138,6 +150,23 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         discovery_interval=args.discovery_interval,
         log_dir=args.log_dir,
         verbose=args.verbose,
+    )
+
+
+def ray_settings(args: argparse.Namespace) -> RaySettings | None:
+    if args.ray is None:
+        for option, value in (("--cpus-per-worker", args.cpus_per_worker), ("--gpus-per-worker", args.gpus_per_worker)):
+            if value is not None:
+                raise ConfigError(f"{option}: only with --ray")
+        return None
+    from lightning_elastic.launcher.ray import require_ray  # noqa: PLC0415 - Ray itself is not imported
+
+    require_ray()
+    defaults = RaySettings()
+    return RaySettings(
+        address=args.ray,
+        cpus_per_worker=args.cpus_per_worker if args.cpus_per_worker is not None else defaults.cpus_per_worker,
+        gpus_per_worker=args.gpus_per_worker if args.gpus_per_worker is not None else defaults.gpus_per_worker,
     )
 
 
@@ -166,7 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    result = launch(config)
+    try:
+        result = launch(config)
+    except ConfigError as err:  # found before any worker started (a Ray cluster that cannot be reached)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
     verdict = "succeeded" if result.success else "failed"
     try:
         print(result.summary(), file=sys.stderr)

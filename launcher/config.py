@@ -76,6 +76,26 @@ class SshSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class RaySettings:
+    """A Ray cluster as the host source: its alive nodes are the hosts, workers run in actors."""
+
+    # What ray.init(address=...) takes: "auto", "HOST:PORT", "ray://HOST:PORT"; "local"
+    # starts a private one-node Ray; None: the caller is connected already (the Python API).
+    address: str | None = "auto"
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+
+    def __post_init__(self) -> None:
+        for option, value in (("--cpus-per-worker", self.cpus_per_worker), ("--gpus-per-worker", self.gpus_per_worker)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{option}: expected a number of 0 or more, got {value}")
+        if self.cpus_per_worker == 0 and self.gpus_per_worker == 0:
+            raise ConfigError("--cpus-per-worker, --gpus-per-worker: a worker must need some CPU or GPU, both are 0")
+        if self.address is not None and not self.address.strip():
+            raise ConfigError("--ray: expected auto, local or the cluster's HOST:PORT, got an empty address")
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     command: tuple[str, ...]
     np: int
@@ -83,6 +103,7 @@ class LaunchConfig:
     max_np: int
     hosts: tuple[HostSlots, ...] | None = None
     discovery_script: Path | None = None
+    ray: RaySettings | None = None  # --ray: the hosts are a Ray cluster's nodes
     slots_per_host: int | None = None
     elastic_timeout: float = 600.0
     reset_limit: int | None = None
@@ -109,8 +130,9 @@ class LaunchConfig:
             raise ConfigError(f"--min-np: must be between 1 and -np ({self.np}), got {self.min_np}")
         if self.max_np < self.np:
             raise ConfigError(f"--max-np: must be at least -np ({self.np}), got {self.max_np}")
-        if (self.hosts is None) == (self.discovery_script is None):
-            raise ConfigError("give exactly one host source: -H/--hosts or --host-discovery-script")
+        sources = (self.hosts, self.discovery_script, self.ray)
+        if sum(source is not None for source in sources) != 1:
+            raise ConfigError("give exactly one host source: -H/--hosts, --host-discovery-script or --ray")
         # Written as "not > 0" so NaN fails too (every comparison with NaN is False); inf is
         # allowed: it means wait for slots for ever.
         if not self.elastic_timeout > 0:

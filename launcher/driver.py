@@ -310,7 +310,8 @@ class Driver:
             log_file=log_file,
         )
         self._processes[worker_id] = self._launcher.start(spec, prefix)
-        log.info("Started worker %s (pid %d).", worker_id, self._processes[worker_id].pid)
+        pid = self._processes[worker_id].pid
+        log.info("Started worker %s%s.", worker_id, f" (pid {pid})" if pid else "")
         self._events.emit("worker_started", worker=worker_id, host=slot.slot.host, pid=self._processes[worker_id].pid)
 
     def _stop_worker(self, record: WorkerRecord, why: str) -> None:
@@ -602,11 +603,23 @@ def make_discovery(config: LaunchConfig) -> HostDiscovery:
 
 
 def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
-    """Run one elastic job to its end; SIGINT and SIGTERM stop it and every worker."""
-    classifier = HostClassifier()
+    """Run one elastic job to its end; SIGINT and SIGTERM stop it and every worker.
+
+    Raises ConfigError only before any worker started (a Ray cluster that cannot be reached).
+    """
     sink = OutputSink(out)  # one for every worker's output: a broken stdout is said once
+    if config.ray is not None:
+        from lightning_elastic.launcher.ray.backend import ray_backend  # noqa: PLC0415 - Ray only when asked
+
+        with ray_backend(config, sink) as backend:
+            return run_driver(Driver(backend.config, backend.nodes, backend.launcher, backend.nodes.is_local))
+    classifier = HostClassifier()
     router = HostRouter(LocalLauncher(sink), SshLauncher(config.ssh, sink), classifier.is_local)
-    driver = Driver(config, make_discovery(config), router, classifier.is_local)
+    return run_driver(Driver(config, make_discovery(config), router, classifier.is_local))
+
+
+def run_driver(driver: Driver) -> JobResult:
+    """``driver.run()``, with SIGINT and SIGTERM asking it to stop (from the main thread)."""
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -42,15 +42,18 @@ def validate_timeout(seconds: float) -> float:
     return float(seconds)
 
 
-def choose_backend(local_rank: int, cuda_available: bool | None = None, requested: str | None = None) -> BackendChoice:
-    """NCCL on ``cuda:LOCAL_RANK`` when CUDA is available, else gloo on the CPU.
+def choose_backend(cuda_index: int, cuda_available: bool | None = None, requested: str | None = None) -> BackendChoice:
+    """NCCL on ``cuda:cuda_index`` when CUDA is available, else gloo on the CPU.
+
+    ``cuda_index`` is the worker's local rank, unless its launcher pinned it to devices of
+    its own (``ElasticWorker.cuda_index``).
 
     ``requested`` (a Lightning strategy's ``process_group_backend``) overrides the backend;
     the device still follows CUDA's availability (gloo can run DDP on GPUs too).
     """
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda_available else torch.device("cpu")
+    device = torch.device("cuda", cuda_index) if cuda_available else torch.device("cpu")
     backend = "nccl" if cuda_available else "gloo"
     if requested is not None:
         backend = validate_backend(requested)

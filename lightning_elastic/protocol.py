@@ -43,6 +43,10 @@ ENV_ELASTIC_TIMEOUT = "LIGHTNING_ELASTIC_TIMEOUT"
 ENV_LOST_MEMBER_WAIT = "LIGHTNING_ELASTIC_LOST_MEMBER_WAIT"
 ENV_PROCESS_GROUP_TIMEOUT = "LIGHTNING_ELASTIC_PROCESS_GROUP_TIMEOUT"
 ENV_PREEMPTION_GRACE = "LIGHTNING_ELASTIC_PREEMPTION_GRACE"
+# The CUDA device index a worker keeps for its whole life, set when its launcher gives every
+# worker devices of its own (a Ray actor sees only its GPUs, as device 0...). Unset: the
+# device is cuda:LOCAL_RANK of the current round.
+ENV_CUDA_DEVICE = "LIGHTNING_ELASTIC_CUDA_DEVICE"
 
 HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
 HEADER_NONCE = "X-Elastic-Nonce"  # secrets.token_hex(16), fresh for every request sent

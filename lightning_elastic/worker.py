@@ -74,6 +74,7 @@ class WorkerSettings:
     lost_member_wait: float
     process_group_timeout: float
     preemption_grace: float
+    cuda_device: int | None = None  # pinned by the launcher; None: cuda:LOCAL_RANK
 
     @classmethod
     def from_environment(cls, environ: os._Environ | dict[str, str]) -> WorkerSettings | None:
@@ -91,6 +92,7 @@ class WorkerSettings:
                 lost_member_wait=float(environ.get(p.ENV_LOST_MEMBER_WAIT, "5")),
                 process_group_timeout=float(environ.get(p.ENV_PROCESS_GROUP_TIMEOUT, "1800")),
                 preemption_grace=float(environ.get(p.ENV_PREEMPTION_GRACE, "30")),
+                cuda_device=int(environ[p.ENV_CUDA_DEVICE]) if environ.get(p.ENV_CUDA_DEVICE) else None,
             )
         except KeyError as err:
             raise RendezvousError(
@@ -279,7 +281,7 @@ class ElasticWorker:
     def _form_group(self) -> None:
         a = self._assignment
         assert a is not None
-        self._backend = choose_backend(a.local_rank, self.use_cuda, self._requested_backend)
+        self._backend = choose_backend(self.cuda_index, self.use_cuda, self._requested_backend)
         timeout = datetime.timedelta(seconds=self.collective_timeout)
         if self.settings is None:
             store: dist.Store = dist.HashStore()
@@ -325,6 +327,13 @@ class ElasticWorker:
         if self._assignment is None:
             raise RuntimeError("lightning_elastic is not initialised: call lightning_elastic.init() first")
         return self._assignment
+
+    @property
+    def cuda_index(self) -> int:
+        """This worker's CUDA device: the one its launcher pinned it to, else ``LOCAL_RANK``."""
+        if self.settings is not None and self.settings.cuda_device is not None:
+            return self.settings.cuda_device
+        return self.assignment.local_rank
 
     @property
     def backend(self) -> str:

@@ -99,7 +99,8 @@ class WorkerBacked:
 
     @property
     def root_device(self) -> torch.device:
-        """``cuda:LOCAL_RANK`` of the current round on GPUs (the local rank may change at a reset), else the CPU."""
+        """``cuda:LOCAL_RANK`` of the current round on GPUs (the local rank may change at a reset),
+        or the device the launcher pinned the worker to (Ray); else the CPU."""
         if self._wants_cuda():
-            return torch.device("cuda", self.worker.assignment.local_rank)
+            return torch.device("cuda", self.worker.cuda_index)
         return torch.device("cpu")
