@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import secrets
+import socket
 from collections.abc import Iterator
 
 import ray
@@ -24,6 +25,8 @@ from lightning_elastic.launcher.ray.launcher import RayLauncher, first_line
 from lightning_elastic.launcher.ray.nodes import RayNodeDiscovery
 
 log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 10.0  # to open a TCP connection to the cluster's address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,8 @@ def connect(settings: RaySettings) -> bool:
         return False
     if ray.is_initialized():
         return False  # this process is connected already: use that cluster
+    if settings.address not in ("auto", "local"):
+        check_reachable(settings.address)
     # Workers' output comes back through the agents, rank-prefixed: Ray's own copy of the
     # actors' output would repeat nothing useful.
     options = {"log_to_driver": False, "logging_level": logging.WARNING}
@@ -50,8 +55,23 @@ def connect(settings: RaySettings) -> bool:
         else:
             ray.init(address=settings.address, **options)
     except Exception as err:  # noqa: BLE001 - ConnectionError, ValueError, RuntimeError...
+        if settings.address == "auto" and isinstance(err, ConnectionError):
+            raise ConfigError("--ray auto: no running Ray cluster found from this machine; start one "
+                              "(ray start --head), give its HOST:PORT, or use --ray local") from None
         raise ConfigError(f"--ray: cannot connect to the Ray cluster at {settings.address}: {first_line(err)}") from None
     return True
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
+    """Fail fast on an address nothing listens on: ``ray.init`` retries it for minutes."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"--ray: expected auto, local or the cluster's HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        raise ConfigError(f"--ray: cannot connect to the Ray cluster at {address}: {reason}") from None
 
 
 def head_address() -> str | None:

@@ -12,17 +12,14 @@ def register_strategy(package: str = "lightning.pytorch") -> None:
     and separate class hierarchies; the strategy is built on ``lightning.pytorch``, so the
     standalone package gets a copy of the integration built on its own classes.
     """
-    if package == "lightning.pytorch":
-        from lightning_elastic.lightning.strategy import STRATEGY_NAME, ElasticStrategy
-    else:
+    if package != "lightning.pytorch":
         from lightning_elastic.lightning.standalone import load_for_standalone_package
 
-        strategy_module = load_for_standalone_package().strategy
-        STRATEGY_NAME, ElasticStrategy = strategy_module.STRATEGY_NAME, strategy_module.ElasticStrategy
-    registry = importlib.import_module(f"{package}.strategies").StrategyRegistry
-    if STRATEGY_NAME not in registry:
-        registry.register(
-            STRATEGY_NAME,
-            ElasticStrategy,
-            description="Elastic DDP: survives lost workers and host changes in-process (lightning-elastic)",
-        )
+        load_for_standalone_package().strategy.register()
+        return
+    strategy_module = importlib.import_module("lightning_elastic.lightning.strategy")
+    # The import hook may run while the strategy module is itself importing Lightning
+    # (``from lightning_elastic.lightning import ElasticStrategy`` before Lightning): it is
+    # then half initialised, and registers at its end.
+    if hasattr(strategy_module, "register"):
+        strategy_module.register()

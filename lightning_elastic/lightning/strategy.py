@@ -237,3 +237,20 @@ def _call_reset_hooks(trainer: pl.Trainer, old_world_size: int, new_world_size: 
     hook = getattr(trainer.lightning_module, "on_elastic_reset", None)
     if callable(hook):
         hook(old_world_size, new_world_size)
+
+
+def register() -> None:
+    """Put ``"elastic_hvd"`` in this Lightning package's strategy registry (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry  # noqa: PLC0415
+
+    if STRATEGY_NAME not in StrategyRegistry:
+        StrategyRegistry.register(
+            STRATEGY_NAME,
+            ElasticStrategy,
+            description="Elastic DDP: survives lost workers and host changes in-process (lightning-elastic)",
+        )
+
+
+# Importing this module registers the name: the import hook that registers it may have run
+# while this module was importing Lightning, half initialised (see registration.py).
+register()

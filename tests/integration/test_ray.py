@@ -103,7 +103,7 @@ def test_cli_trains_to_the_end_on_three_nodes(job: Job, nodes: RayCluster) -> No
 
 
 def test_node_removed_mid_training_survivors_go_on(job: Job, nodes: RayCluster) -> None:
-    a, b, victim = nodes.add(), nodes.add(), nodes.add()
+    victim = add_nodes(nodes, 3)[-1]
     job.start(ray_args(nodes, "-np", "3", "--min-np", "1"), [*STEADY, "--epochs", "3"])
     job.wait_rounds(1)
     job.wait_steps(5)

@@ -7,12 +7,13 @@ are checked through ``config_from_args`` only, which builds the config without l
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_elastic.launcher import cli
-from lightning_elastic.launcher.config import SshSettings
+from lightning_elastic.launcher.config import RaySettings, SshSettings
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.hosts import HostSlots
 
@@ -318,3 +319,78 @@ def test_malformed_ssh_port_is_refused_by_argparse(capsys, no_launch):
     code, lines = run_main(capsys, "--ssh-port", "ssh", "python")
     assert code == 2
     assert lines[-1] == "lightning-elastic launch: error: argument --ssh-port: invalid int value: 'ssh'"
+
+
+# ----- --ray -------------------------------------------------------------------------------
+
+
+def test_ray_options_reach_the_config():
+    pytest.importorskip("ray")
+    c = parse("--ray", "10.0.0.1:6379", "-np", "2", "--max-np", "8", "--cpus-per-worker", "2", "--gpus-per-worker",
+              "1", "python", "train.py")
+    assert c.ray == RaySettings(address="10.0.0.1:6379", cpus_per_worker=2.0, gpus_per_worker=1.0)
+    assert c.hosts is None and c.discovery_script is None
+    assert (c.np, c.min_np, c.max_np) == (2, 2, 8)
+
+
+def test_ray_defaults_one_cpu_and_no_gpu_per_worker():
+    pytest.importorskip("ray")
+    assert parse("--ray", "auto", "-np", "1", "python").ray == RaySettings("auto", 1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ray", "auto", "python"], "-np: required with --ray"),
+        (["-np", "1", "--cpus-per-worker", "2", "python"], "--cpus-per-worker: only with --ray"),
+        (["-np", "1", "--gpus-per-worker", "1", "python"], "--gpus-per-worker: only with --ray"),
+        (["--ray", "auto", "-np", "1", "--cpus-per-worker", "-1", "python"],
+         "--cpus-per-worker: expected a number of 0 or more, got -1.0"),
+        (["--ray", "auto", "-np", "1", "--gpus-per-worker", "nan", "python"],
+         "--gpus-per-worker: expected a number of 0 or more, got nan"),
+        (["--ray", "auto", "-np", "1", "--cpus-per-worker", "0", "python"],
+         "--cpus-per-worker, --gpus-per-worker: a worker must need some CPU or GPU, both are 0"),
+        (["--ray", " ", "-np", "1", "python"],
+         "--ray: expected auto, local or the cluster's HOST:PORT, got an empty address"),
+    ],
+)
+def test_invalid_ray_values_exit_2_with_one_line(capsys, no_launch, argv, message):
+    pytest.importorskip("ray")
+    code, lines = run_main(capsys, *argv)
+    assert code == 2
+    assert lines == [f"lightning-elastic: error: {message}"]
+
+
+def test_ray_without_the_extra_says_how_to_install_it(capsys, no_launch, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an install without Ray imports: nothing
+    code, lines = run_main(capsys, "--ray", "auto", "-np", "2", "python", "train.py")
+    assert code == 2
+    assert lines == ["lightning-elastic: error: --ray: Ray is not installed; "
+                     "install the extra with pip install 'lightning-elastic[ray]'"]
+
+
+def test_unreachable_ray_cluster_exits_2_naming_the_address(capsys):
+    pytest.importorskip("ray")
+    code, lines = run_main(capsys, "--ray", "127.0.0.1:9", "-np", "1", "python", "train.py")
+    assert code == 2
+    assert lines == ["lightning-elastic: error: --ray: cannot connect to the Ray cluster at 127.0.0.1:9: Connection refused"]
+
+
+def test_ray_address_without_a_port_is_refused(capsys):
+    pytest.importorskip("ray")
+    code, lines = run_main(capsys, "--ray", "headnode", "-np", "1", "python", "train.py")
+    assert code == 2
+    assert lines == ["lightning-elastic: error: --ray: expected auto, local or the cluster's HOST:PORT, got 'headnode'"]
+
+
+def test_ray_auto_without_a_cluster_says_what_to_do(capsys, monkeypatch):
+    pytest.importorskip("ray")
+    from ray._private.services import find_gcs_addresses
+
+    if find_gcs_addresses():  # "auto" finds a cluster by its processes on this machine
+        pytest.skip("a Ray cluster runs on this machine")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, lines = run_main(capsys, "--ray", "auto", "-np", "1", "python", "train.py")
+    assert code == 2
+    assert lines == ["lightning-elastic: error: --ray auto: no running Ray cluster found from this machine; start "
+                     "one (ray start --head), give its HOST:PORT, or use --ray local"]
