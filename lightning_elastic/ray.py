@@ -25,6 +25,7 @@ from typing import IO, Any
 
 from lightning_elastic.launcher.config import LaunchConfig, RaySettings
 from lightning_elastic.launcher.driver import Driver, JobResult, run_driver
+from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.ray import require_ray
 
@@ -60,7 +61,10 @@ class ElasticRayExecutor:
         log_dir: str | Path | None = None,
         out: IO[str] | None = None,
     ) -> None:
-        require_ray("ElasticRayExecutor")
+        try:
+            require_ray("ElasticRayExecutor")
+        except ConfigError as err:
+            raise ImportError(str(err)) from None
         np_ = np if np is not None else min_np
         self._config = LaunchConfig(
             command=("<function>",),  # replaced by the function in every worker

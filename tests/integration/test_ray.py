@@ -12,13 +12,13 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
+from tests.integration.harness import REPO, Job, assert_epochs_complete, assert_replicas_identical, wait_for
 from tests.integration.test_elastic_launch import SLOW, STEADY, last_step_of_round, synced_step
 from tests.integration.test_lightning import assert_exactly_once, assert_final_state
 from tests.integration.test_lightning import start as start_lightning
@@ -29,6 +29,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 pytestmark = pytest.mark.integration
 
 MB = 2**20
+EXECUTOR_EXAMPLE = REPO / "examples" / "ray_executor.py"
 SMALL = {"include_dashboard": False, "object_store_memory": 80 * MB}
 
 
@@ -136,6 +137,25 @@ def test_node_added_mid_training_joins_with_the_state(job: Job, nodes: RayCluste
     assert_replicas_identical(job)
 
 
+def test_drained_node_is_a_graceful_removal(job: Job, nodes: RayCluster) -> None:
+    drained = add_nodes(nodes, 3)[-1]
+    job.start(ray_args(nodes, "-np", "3", "--min-np", "1"), [*STEADY, "--epochs", "3"])
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_cli, "drain-node", "--address", nodes.address, "--node-id", drained.node_id,
+                    "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot instance reclaimed",
+                    "--deadline-remaining-seconds", "60"], check=True, capture_output=True, timeout=60)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert job.world_sizes() == [3, 2]
+    assert "failures:      0" in err and "blacklisted:   none" in err
+    assert f"removed {[host_of(drained)]}" in err
+    assert synced_step(job, 2) == last_step_of_round(job, 3)  # a removal keeps the live state
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+
+
 def test_killed_worker_actor_is_a_lost_worker(job: Job, nodes: RayCluster) -> None:
     add_nodes(nodes, 2)
     victim = nodes.add()
@@ -176,61 +196,28 @@ def test_lightning_example_under_ray_with_a_node_removed(job: Job, nodes: RayClu
     assert_final_state(job, history, start_size=3, end_size=2)
 
 
-NOTEBOOK = textwrap.dedent(
-    """
-    import json, sys
-    import ray
-    from lightning_elastic.ray import ElasticJobError, ElasticRayExecutor
-
-    def train(steps, fail_with):
-        import torch
-        import torch.distributed as dist
-        import lightning_elastic as le
-
-        le.init()
-        state = le.ObjectState(step=0, total=0.0)
-
-        @le.run
-        def loop(state):
-            while state.step < steps:
-                if fail_with:
-                    raise ValueError(fail_with)
-                ones = torch.ones(1)
-                dist.all_reduce(ones)
-                state.total += float(ones)
-                state.step += 1
-                state.commit()
-            return {"rank": le.rank(), "size": le.size(), "step": state.step, "total": state.total}
-
-        return loop(state)
-
-    ray.init(address=sys.argv[1], logging_level="WARNING", log_to_driver=False)
-    executor = ElasticRayExecutor(min_np=2, max_np=2, cpus_per_worker=1)
-    executor.start()
-    results = executor.run(train, args=(5, ""))
-    try:
-        executor.run(train, kwargs={"steps": 5, "fail_with": "bad learning rate 7"})
-        error = None
-    except ElasticJobError as err:
-        error = str(err)
-    executor.shutdown()
-    print("RESULT " + json.dumps({"results": results, "error": error}))
-    """
-)
-
-
-def test_python_api_returns_per_rank_results_and_raises_a_user_error(tmp_path, nodes: RayCluster) -> None:
-    add_nodes(nodes, 2)
-    script = tmp_path / "notebook.py"
-    script.write_text(NOTEBOOK)
+def run_executor_example(cluster: RayCluster, tmp_path: Path, *args: str) -> dict[str, Any]:
+    """``examples/ray_executor.py`` from a plain Python process (no CLI); its JSON line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ELASTIC_")}
-    done = subprocess.run([sys.executable, str(script), nodes.address], capture_output=True, text=True,
-                          timeout=200, cwd=tmp_path, env=env)
+    done = subprocess.run([sys.executable, str(EXECUTOR_EXAMPLE), "--address", cluster.address, *args],
+                          capture_output=True, text=True, timeout=200, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    outcome = json.loads(line[len("RESULT "):])
-    assert outcome["results"] == [{"rank": r, "size": 2, "step": 5, "total": 10.0} for r in range(2)]
-    assert outcome["error"].startswith("elastic job failed: ")
-    assert "ValueError: bad learning rate 7" in outcome["error"]
-    assert "\n" not in outcome["error"]
     assert "Round 1 formed with 2 worker(s)" in done.stderr  # the driver's log, in the caller's process
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_python_api_returns_the_final_rounds_results_in_rank_order(tmp_path, nodes: RayCluster) -> None:
+    add_nodes(nodes, 2)
+    outcome = run_executor_example(nodes, tmp_path, "--np", "2", "--steps", "20", "--runs", "2")
+    assert outcome["runs"] == 2  # run() again on the same executor
+    results = outcome["results"]
+    assert [(r["rank"], r["size"], r["steps"]) for r in results] == [(0, 2, 20), (1, 2, 20)]
+    assert results[0]["loss"] < 10.0
+
+
+def test_python_api_raises_a_user_error_with_its_message(tmp_path, nodes: RayCluster) -> None:
+    add_nodes(nodes, 2)
+    error = run_executor_example(nodes, tmp_path, "--np", "2", "--fail-with", "bad learning rate 7")["error"]
+    assert error.startswith("elastic job failed: all 2 worker(s) of round 1 failed")
+    assert "ValueError: bad learning rate 7" in error
+    assert "\n" not in error

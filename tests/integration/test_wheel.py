@@ -90,6 +90,19 @@ def test_the_installed_package_imports_lightning_and_registers_the_strategy(venv
     assert str(venv) in result.stdout, f"imported from {result.stdout.strip()}, not from the venv"
 
 
+def test_the_core_install_says_how_to_get_ray(venv: Path, tmp_path: Path) -> None:
+    hint = "Ray is not installed; install the extra with pip install 'lightning-elastic[ray]'"
+    launched = subprocess.run([venv / "bin" / "lightning-elastic", "launch", "--ray", "auto", "-np", "2", "python",
+                               "train.py"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert launched.returncode == 2
+    assert launched.stderr.splitlines() == [f"lightning-elastic: error: --ray: {hint}"]
+    probe = "from lightning_elastic.ray import ElasticRayExecutor\nElasticRayExecutor(min_np=1)\n"
+    imported = subprocess.run([venv / "bin" / "python", "-c", probe], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path)
+    assert imported.returncode == 1
+    assert imported.stderr.splitlines()[-1] == f"ImportError: ElasticRayExecutor: {hint}"
+
+
 def test_the_lightning_example_survives_a_killed_worker_from_the_wheel(venv: Path, tmp_path: Path) -> None:
     script = tmp_path / "train.py"  # a user's copy of the example, away from the checkout
     shutil.copy(EXAMPLE, script)
