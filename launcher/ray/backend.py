@@ -50,8 +50,8 @@ def connect(settings: RaySettings) -> bool:
     # actors' output would repeat nothing useful.
     options = {"log_to_driver": False, "logging_level": logging.WARNING}
     try:
-        if settings.address == "local":
-            ray.init(include_dashboard=False, **options)
+        if settings.address == "local":  # Ray's "local": a new instance, even if one runs here
+            ray.init(address="local", include_dashboard=False, **options)
         else:
             ray.init(address=settings.address, **options)
     except Exception as err:  # noqa: BLE001 - ConnectionError, ValueError, RuntimeError...

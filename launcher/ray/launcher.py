@@ -180,25 +180,15 @@ class RayProcess:
 
     def _relay(self) -> None:
         spec = self._spec
-        status = -signal.SIGKILL
+        status = -signal.SIGKILL  # unless the agent reports the worker's own exit
         try:
-            self._pid = ray.get(self._actor.start.remote(spec.command, spec.env, spec.secret, spec.cwd, self._function))
-            log.info("Worker %s runs as pid %d on Ray node %s.", spec.worker_id, self._pid, spec.host)
-            while True:
-                chunk: OutputChunk = ray.get(self._actor.read.remote(READ_WAIT))
-                if chunk.data:
-                    self._write(chunk.data)
-                if chunk.status is not None:
-                    status = chunk.status
-                    break
-            if self._function is not None:
-                self.result = ray.get(self._actor.result.remote())
-            ray.get(self._actor.close.remote(), timeout=CLOSE_WAIT)  # its scratch files
+            status = self._run_and_relay()
         except ray.exceptions.RayActorError as err:
             self._detail = f"its Ray actor on {spec.host} died: {first_line(err)}"
         except OSError as err:  # raised by start() in the actor: the command cannot run
             status = 127
-            self._detail = f"cannot start {spec.command[0]!r} on {spec.host}: {err}"
+            cause = getattr(err, "cause", None) or err  # the actor's own exception, without Ray's traceback
+            self._detail = f"cannot start {spec.command[0]!r} on {spec.host}: {first_line(cause)}"
         except Exception as err:  # noqa: BLE001 - a Ray error: the worker is lost either way
             self._detail = f"Ray failed on {spec.host}: {type(err).__name__}: {first_line(err)}"
         finally:
@@ -209,6 +199,26 @@ class RayProcess:
             self._status = status
             self._ended.set()
             self.release()
+
+    def _run_and_relay(self) -> int:
+        """Start the worker in the actor, relay its output; its exit status."""
+        spec = self._spec
+        self._pid = ray.get(self._actor.start.remote(spec.command, spec.env, spec.secret, spec.cwd, self._function))
+        log.info("Worker %s runs as pid %d on Ray node %s.", spec.worker_id, self._pid, spec.host)
+        while True:
+            chunk: OutputChunk = ray.get(self._actor.read.remote(READ_WAIT))
+            if chunk.data:
+                self._write(chunk.data)
+            if chunk.status is not None:
+                break
+        try:  # the worker has ended: its status stands whatever happens to the actor now
+            if self._function is not None:
+                self.result = ray.get(self._actor.result.remote(), timeout=CLOSE_WAIT)
+            ray.get(self._actor.close.remote(), timeout=CLOSE_WAIT)  # its scratch files
+        except Exception as err:  # noqa: BLE001
+            log.warning("Worker %s: its return value or scratch files were lost with its actor: %s",
+                        spec.worker_id, first_line(err))
+        return chunk.status
 
 
 def first_line(err: BaseException) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.integration.harness import REPO, Job, assert_epochs_complete, assert_replicas_identical, wait_for
@@ -103,6 +104,15 @@ def test_cli_trains_to_the_end_on_three_nodes(job: Job, nodes: RayCluster) -> No
     assert_replicas_identical(job)
 
 
+def test_ray_local_starts_a_private_ray_for_the_job(job: Job) -> None:
+    # This machine's 2 CPUs make one node of 2 slots, next to the module's cluster.
+    code = job.run(["--ray", "local", "-np", "2"], [*STEADY, "--epochs", "1"], timeout=180)
+    assert code == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [2]
+    assert len({e["worker"].split("[")[0] for e in job.events("start")}) == 1
+    assert_epochs_complete(job, 1)
+
+
 def test_node_removed_mid_training_survivors_go_on(job: Job, nodes: RayCluster) -> None:
     victim = add_nodes(nodes, 3)[-1]
     job.start(ray_args(nodes, "-np", "3", "--min-np", "1"), [*STEADY, "--epochs", "3"])
@@ -139,9 +149,10 @@ def test_node_added_mid_training_joins_with_the_state(job: Job, nodes: RayCluste
 
 def test_drained_node_is_a_graceful_removal(job: Job, nodes: RayCluster) -> None:
     drained = add_nodes(nodes, 3)[-1]
-    job.start(ray_args(nodes, "-np", "3", "--min-np", "1"), [*STEADY, "--epochs", "3"])
+    # Slow steps: `ray drain-node` itself takes seconds to start (it imports Ray).
+    job.start(ray_args(nodes, "-np", "3", "--min-np", "1"), [*SLOW, "--epochs", "4"])
     job.wait_rounds(1)
-    job.wait_steps(4)
+    job.wait_steps(2)
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     subprocess.run([ray_cli, "drain-node", "--address", nodes.address, "--node-id", drained.node_id,
                     "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot instance reclaimed",
@@ -152,7 +163,7 @@ def test_drained_node_is_a_graceful_removal(job: Job, nodes: RayCluster) -> None
     assert "failures:      0" in err and "blacklisted:   none" in err
     assert f"removed {[host_of(drained)]}" in err
     assert synced_step(job, 2) == last_step_of_round(job, 3)  # a removal keeps the live state
-    assert_epochs_complete(job, 3)
+    assert_epochs_complete(job, 4)
     assert_replicas_identical(job)
 
 
@@ -194,6 +205,29 @@ def test_lightning_example_under_ray_with_a_node_removed(job: Job, nodes: RayClu
     assert {e["pid"] for e in job.events("done")} == survivors
     history = assert_exactly_once(job)
     assert_final_state(job, history, start_size=3, end_size=2)
+
+
+def test_killed_driver_leaves_no_worker_behind(job: Job, nodes: RayCluster) -> None:
+    add_nodes(nodes, 2)
+    job.start(ray_args(nodes, "-np", "2"), [*STEADY, "--epochs", "50"])
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    workers = [psutil.Process(e["pid"]) for e in job.events("start")]
+    assert job.proc is not None
+    job.proc.kill()  # SIGKILL: none of the driver's own shutdown runs
+    job.proc.wait(10)
+    # Ray ends the actors of a driver that is gone; each worker dies with its actor.
+    wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 60,
+             "the workers to end with their driver")
+
+
+def test_a_command_that_cannot_start_is_reported_in_one_line(job: Job, nodes: RayCluster) -> None:
+    node = add_nodes(nodes, 1)[0]
+    job.start(ray_args(nodes, "-np", "1", "--elastic-timeout", "5"), command=["/nonexistent/python", "train.py"])
+    assert job.wait(120) == 1
+    assert (f"cannot start '/nonexistent/python' on {host_of(node)}: [Errno 2] No such file or directory"
+            in job.stderr())
+    assert "job failed" in job.reason()
 
 
 def run_executor_example(cluster: RayCluster, tmp_path: Path, *args: str) -> dict[str, Any]:
