@@ -320,6 +320,7 @@ class Driver:
         log.info("Stopping worker %s: %s.", record.worker_id, why)
         record.leave = True
         record.stopping = True
+        self._registry.wake_all()  # a rendezvous it waits in answers EXIT now
         proc = self._processes[record.worker_id]
         proc.signal(signal.SIGTERM)
         proc.signal(signal.SIGCONT)
@@ -372,7 +373,7 @@ class Driver:
                 self._fail(record, status, in_round and not finishing, blacklist=not finishing)
             if finishing and self._first_exit is None:
                 self._first_exit = (now, record.worker_id)
-            reg.cond.notify_all()
+            reg.wake_all()  # its requests still waiting must end
 
     def _finishing(self) -> bool:
         """Has training returned in the current round (some member reported DONE)?"""
@@ -567,7 +568,7 @@ class Driver:
         log.info("Target world: %d slot(s): %s.", len(new.target), ", ".join(str(a.slot) for a in new.target))
         for worker_id in new.leave:
             reg.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
-        reg.cond.notify_all()
+        reg.wake_all()
         for a in new.spawn:
             self._spawn(a)
 

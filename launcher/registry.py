@@ -113,7 +113,15 @@ class Registry:
     def __init__(self, clock: Callable[[], float] = time.monotonic, repeated_error_limit: int = 3) -> None:
         self._clock = clock
         self._repeated_error_limit = repeated_error_limit
-        self.cond = threading.Condition()
+        # One lock, and a condition per kind of waiter, so that an event wakes only those
+        # whose answer it may change: at thousands of workers, waking every waiting
+        # request thread (and the driver loop) on every heartbeat costs the driver most
+        # of a core. ``cond`` is the driver loop's: woken by what the driver acts on.
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        self._assignments = threading.Condition(lock)  # rendezvous requests: a round formed, told to leave
+        self._changes = threading.Condition(lock)  # heartbeat long polls: a generation bump, a broken round
+        self._verdicts = threading.Condition(lock)  # round-lost requests: their round's facts changed
         self.workers: dict[str, WorkerRecord] = {}
         self.round: RoundInfo | None = None
         self.generation = 0
@@ -135,12 +143,18 @@ class Registry:
         self.workers[worker_id] = record
         return record
 
+    def wake_all(self) -> None:
+        """Wake every waiting request and the driver loop: the driver changed a worker's
+        fate (told it to leave, reaped it) or is stopping. Rare: not on any per-worker path."""
+        for condition in (self.cond, self._assignments, self._changes, self._verdicts):
+            condition.notify_all()
+
     def live_workers(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if not w.state.finished]
 
     def bump_generation(self) -> int:
         self.generation += 1
-        self.cond.notify_all()
+        self._changes.notify_all()
         return self.generation
 
     def mark_round_broken(self, number: int, cause: str = "a member was lost", error: str = "", commits: int = 0) -> bool:
@@ -153,7 +167,8 @@ class Registry:
         log.info("Round %d is broken: %s.", number, cause)
         if self.repeated_error is None:
             self.repeated_error = repeated_collective_error(self.breaks, self._repeated_error_limit)
-        self.cond.notify_all()
+        for condition in (self.cond, self._changes, self._verdicts):
+            condition.notify_all()
         return True
 
     def current_member(self, record: WorkerRecord) -> bool:
@@ -183,7 +198,8 @@ class Registry:
         self.round = RoundInfo(
             number, tuple(r.worker_id for r, _ in members), self.generation, tuple(r.slot for r, _ in members)
         )
-        self.cond.notify_all()
+        self._assignments.notify_all()
+        self._verdicts.notify_all()
         return self.round
 
     # ----- service side: each call records, then waits (bounded) for the driver -------
@@ -210,7 +226,7 @@ class Registry:
                 record.waiting_since = now
             record.arrived_after_round = request.after_round
             record.state = WorkerState.WAITING if not record.leave else record.state
-            self.cond.notify_all()
+            self.cond.notify_all()  # an arrival: the driver may form a round or announce a change
             while True:
                 if record.leave:
                     return RendezvousReply(RendezvousStatus.EXIT)
@@ -219,7 +235,7 @@ class Registry:
                 remaining = deadline - self._clock()
                 if remaining <= 0 or record.state.finished:
                     return RendezvousReply(RendezvousStatus.WAIT)
-                self.cond.wait(remaining)
+                self._assignments.wait(remaining)
 
     def _note_left_round(self, record: WorkerRecord, after_round: int) -> None:
         """A member back at the rendezvous with no change announced has left its round.
@@ -252,7 +268,7 @@ class Registry:
                 known = self.first_steps.get(request.stepped_round)
                 if known is None or request.stepped_at < known:
                     self.first_steps[request.stepped_round] = request.stepped_at
-                    self.cond.notify_all()
+                    self.cond.notify_all()  # for the timeline
             # Wake early on a broken round too: a member blocked in a collective on a dead
             # peer (NCCL often hangs rather than fails) learns it a long-poll sooner.
             while (self.generation <= request.known_generation
@@ -260,7 +276,7 @@ class Registry:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     break
-                self.cond.wait(remaining)
+                self._changes.wait(remaining)
             return HeartbeatReply(self.generation, max(self.broken_rounds, default=0))
 
     def round_lost(self, request: RoundLostRequest) -> RoundLostReply:
@@ -274,6 +290,7 @@ class Registry:
             record.asking_round = request.round
             record.last_heartbeat = self._clock()
             self.cond.notify_all()
+            self._verdicts.notify_all()  # the other askers: are all members asking now?
             current = self.round.number if self.round is not None else 0
             if request.collective and request.round == current:
                 self.mark_round_broken(
@@ -298,9 +315,9 @@ class Registry:
                         if all_asking and not reply.lost and not request.collective:
                             # Sticky, so members answered later agree.
                             self.user_error_rounds.add(request.round)
-                            self.cond.notify_all()
+                            self._verdicts.notify_all()
                         return reply
-                    self.cond.wait(max(0.0, deadline - self._clock()))
+                    self._verdicts.wait(max(0.0, deadline - self._clock()))
             finally:
                 record.asking_round = None
 

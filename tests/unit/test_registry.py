@@ -81,7 +81,7 @@ def wait_until(reg: Registry, predicate: Callable[[], bool], timeout: float = PR
 def finish(reg: Registry, record: WorkerRecord, state: WorkerState) -> None:
     with reg.cond:
         record.state = state
-        reg.cond.notify_all()
+        reg.wake_all()
 
 
 # ----- driver side ---------------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_waiting_worker_is_told_to_exit_once_it_must_leave(reg, pool):
     wait_until(reg, lambda: w.state == WorkerState.WAITING)
     with reg.cond:
         w.leave = True
-        reg.cond.notify_all()
+        reg.wake_all()
     assert fut.result(timeout=PROMPT).status == RendezvousStatus.EXIT
 
 
@@ -261,7 +261,7 @@ def frozen(pool) -> Iterator[tuple[Registry, FakeClock]]:
     yield reg, clock
     with reg.cond:  # let a poll that failed to wake end, so the pool can shut down
         clock.now += 3600
-        reg.cond.notify_all()
+        reg.wake_all()
 
 
 def test_heartbeat_answers_at_once_when_a_round_broke_after_the_known_one(frozen, pool):

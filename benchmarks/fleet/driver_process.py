@@ -1,0 +1,124 @@
+"""The real driver, in a process of its own, starting simulated workers instead of processes.
+
+    python benchmarks/fleet/driver_process.py --workers N --slots-per-host 8 --control SOCKET
+
+Run by ``benchmarks/fleet_sim.py``, never by hand. ``Driver`` is the one ``launch`` runs; only
+its ``WorkerLauncher`` is replaced: ``SimulatedLauncher`` asks the simulator (over the Unix
+socket ``--control``) to start a worker, and learns from it when one exits, so every
+decision (rounds, heartbeats, verdicts) is the real driver's, over its real service.
+At the end it prints the job's result as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from lightning_elastic import protocol as p  # noqa: E402
+from lightning_elastic.launcher.config import LaunchConfig, Timeouts  # noqa: E402
+from lightning_elastic.launcher.discovery import FixedHosts  # noqa: E402
+from lightning_elastic.launcher.driver import Driver  # noqa: E402
+from lightning_elastic.launcher.hosts import HostSlots  # noqa: E402
+from lightning_elastic.launcher.processes.base import WorkerSpec  # noqa: E402
+
+
+class SimulatedLauncher:
+    """Starts a worker by asking the simulator; a reader thread takes its exits."""
+
+    def __init__(self, control: socket.socket) -> None:
+        self._control = control
+        self._send_lock = threading.Lock()
+        self._processes: dict[str, SimulatedProcess] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read_exits, name="simulator-exits", daemon=True).start()
+
+    def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> SimulatedProcess:
+        process = SimulatedProcess(self, spec.worker_id)
+        with self._lock:
+            self._processes[spec.worker_id] = process
+        self.send({"op": "start", "worker_id": spec.worker_id, "host": spec.host,
+                   "url": spec.env[p.ENV_DRIVER_URL], "secret": spec.secret})
+        return process
+
+    def send(self, message: dict) -> None:
+        with self._send_lock:
+            self._control.sendall(json.dumps(message).encode() + b"\n")
+
+    def _read_exits(self) -> None:
+        for line in self._control.makefile("rb"):
+            message = json.loads(line)
+            with self._lock:
+                process = self._processes.get(message["worker_id"])
+            if process is not None:
+                process.exited(message["status"])
+
+
+class SimulatedProcess:
+    """A simulated worker as the driver sees it (``WorkerProcess``)."""
+
+    pid = 0
+
+    def __init__(self, launcher: SimulatedLauncher, worker_id: str) -> None:
+        self._launcher = launcher
+        self._worker_id = worker_id
+        self._status: int | None = None
+        self._ended = threading.Event()
+
+    def exited(self, status: int) -> None:
+        self._status = status
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self._status if self._ended.is_set() else None
+
+    def wait(self, timeout: float) -> int | None:
+        self._ended.wait(timeout)
+        return self.poll()
+
+    def signal(self, sig: int) -> None:
+        if not self._ended.is_set():
+            self._launcher.send({"op": "signal", "worker_id": self._worker_id, "signal": int(sig)})
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        pass
+
+    def exit_detail(self) -> str:
+        return ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--slots-per-host", type=int, default=8)
+    parser.add_argument("--control", required=True, help="the simulator's Unix socket")
+    parser.add_argument("--heartbeat-timeout", type=float, default=Timeouts.heartbeat_timeout)
+    parser.add_argument("--elastic-timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="driver %(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    hosts = [HostSlots(f"sim-{i:04d}", args.slots_per_host)
+             for i in range((args.workers + args.slots_per_host - 1) // args.slots_per_host)]
+    config = LaunchConfig(
+        command=("simulated",), np=args.workers, min_np=1, max_np=args.workers, hosts=tuple(hosts),
+        elastic_timeout=args.elastic_timeout,
+        timeouts=Timeouts(heartbeat_timeout=args.heartbeat_timeout),
+    )
+    control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    control.connect(args.control)
+    driver = Driver(config, FixedHosts(config.hosts), SimulatedLauncher(control), is_local=lambda _host: True)
+    result = driver.run()
+    print(json.dumps(dataclasses.asdict(result)), flush=True)
+    return 0 if result.success else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

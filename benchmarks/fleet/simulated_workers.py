@@ -1,0 +1,270 @@
+"""N simulated workers in one asyncio process, speaking the real protocol to the real driver.
+
+Each worker does what ``ElasticWorker`` does, minus torch: its main connection asks the
+rendezvous for a round (``after_round`` = the last one it was in), and a second connection
+sends heartbeats as long polls of one interval (the generation and the broken round it
+knows, as the real heartbeat thread). When a heartbeat shows its round broken, it asks
+``round-lost`` (a collective error, as the real worker after its collective failed) and
+goes back to the rendezvous; a new generation (a host change) sends it straight back.
+Requests are signed and replies checked with the job secret, as ``DriverClient`` does,
+over a minimal HTTP/1.1 keep-alive client (no dependency, little CPU per request).
+
+Workers start when the driver asks for them (the control socket); all at once, as a
+fleet whose processes start together: the worst case for the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import signal
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from lightning_elastic import protocol as p
+
+HEARTBEAT_INTERVAL = 1.0  # the driver's default, as the real workers receive it
+
+
+class DriverGone(Exception):
+    """The connection failed (refused, reset, timed out): counted, then retried."""
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection to the driver, for one request at a time."""
+
+    def __init__(self, host: str, port: int, stats: Stats) -> None:
+        self._host, self._port = host, port
+        self._stats = stats
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes, secret: str, timeout: float) -> tuple[int, bytes]:
+        auth = p.sign_request(secret, "POST", path, body)
+        head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
+        request = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n{head}\r\n").encode() + body
+        try:
+            return await asyncio.wait_for(self._exchange(request, secret, auth[p.HEADER_NONCE]), timeout)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as err:
+            self.close()
+            self._stats.connection_errors += 1
+            raise DriverGone(f"{type(err).__name__}: {err}") from None
+
+    async def _exchange(self, request: bytes, secret: str, nonce: str) -> tuple[int, bytes]:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
+            self._stats.connections += 1
+        reader, writer = self._reader, self._writer  # close() may drop them while this waits
+        assert reader is not None
+        writer.write(request)
+        await writer.drain()
+        status_line = await reader.readline()
+        if not status_line:
+            raise ConnectionResetError("connection closed by the driver")
+        status = int(status_line.split()[1])
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        if not p.verify_reply(secret, status, nonce, body, headers.get(p.HEADER_SIGNATURE.lower())):
+            raise ValueError(f"reply with status {status} failed authentication")
+        return status, body
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+
+@dataclasses.dataclass
+class Stats:
+    connections: int = 0
+    connection_errors: int = 0
+    requests: int = 0
+    heartbeat_overheads: list[float] = dataclasses.field(default_factory=list)  # reply - (sent + wait), s
+    heartbeat_early: int = 0  # long polls answered early (a change)
+    disowned: int = 0  # requests answered 409: the driver had declared the worker gone
+
+
+@dataclasses.dataclass
+class Assigned:
+    worker_id: str
+    round: int
+    rank: int
+    at: float
+
+
+class SimulatedWorker:
+    def __init__(self, worker_id: str, url: str, secret: str, stats: Stats,
+                 on_assigned: Callable[[Assigned], None], on_first_ask: Callable[[str, float], None]) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        assert parsed.hostname is not None and parsed.port is not None
+        self.worker_id = worker_id
+        self._secret = secret
+        self._stats = stats
+        self._main = Connection(parsed.hostname, parsed.port, stats)
+        self._beat = Connection(parsed.hostname, parsed.port, stats)
+        self._on_assigned = on_assigned
+        self._on_first_ask = on_first_ask
+        self.round = 0
+        self._generation_at_round = 0
+        self._known_generation = 0
+        self._known_broken = 0
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.finished = asyncio.Event()
+        self.exit_status: int | None = None
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._main_loop()), asyncio.create_task(self._heartbeat_loop())]
+
+    async def _post(self, conn: Connection, path: str, message: Any, reply_type: type, timeout: float) -> Any:
+        """A request as ``DriverClient._post`` makes it: retried while the driver is unreachable."""
+        body = p.to_json(message)
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                status, reply = await conn.post(path, body, self._secret, timeout)
+            except DriverGone:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
+            self._stats.requests += 1
+            if status == 409:
+                # The driver counts this worker as gone (it missed its heartbeats): the real
+                # worker exits with status 1 (ElasticWorker._heartbeat_loop).
+                self._stats.disowned += 1
+                self.exit(1)
+                raise asyncio.CancelledError
+            if status != 200:
+                raise RuntimeError(f"{path} refused ({status}): {reply[:200]!r}")
+            return p.decode(reply_type, reply)
+
+    async def _main_loop(self) -> None:
+        first = True
+        while True:
+            if first:
+                self._on_first_ask(self.worker_id, time.monotonic())
+                first = False
+            reply = await self._post(self._main, p.PATH_RENDEZVOUS, p.RendezvousRequest(self.worker_id, self.round),
+                                     p.RendezvousReply, timeout=p.RENDEZVOUS_POLL + 30)
+            if reply.status == p.RendezvousStatus.WAIT:
+                continue
+            if reply.status == p.RendezvousStatus.EXIT:
+                await self._post(self._main, p.PATH_REPORT, p.Report(self.worker_id, self.round, p.Outcome.REMOVED),
+                                 p.Ack, timeout=30)
+                self.exit(0)
+                return
+            a = reply.assignment
+            self.round, self._generation_at_round = a.round, a.generation
+            self._known_generation = max(self._known_generation, a.generation)
+            self._on_assigned(Assigned(self.worker_id, a.round, a.rank, time.monotonic()))
+            await self._wait_for_change()
+            if self._known_broken >= self.round:
+                # Its collective failed: a lost peer? (the real worker waits up to 5 s for the answer)
+                await self._post(self._main, p.PATH_ROUND_LOST,
+                                 p.RoundLostRequest(self.worker_id, self.round, 5.0, collective=True),
+                                 p.RoundLostReply, timeout=35)
+
+    async def _wait_for_change(self) -> None:
+        while not (self._known_broken >= self.round or self._known_generation > self._generation_at_round):
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            sent = time.monotonic()
+            request = p.HeartbeatRequest(self.worker_id, self._known_generation, self._known_broken,
+                                         HEARTBEAT_INTERVAL)
+            try:
+                reply = await self._post(self._beat, p.PATH_HEARTBEAT, request, p.HeartbeatReply,
+                                         timeout=HEARTBEAT_INTERVAL + 30)
+            except DriverGone:
+                await asyncio.sleep(HEARTBEAT_INTERVAL)
+                continue
+            took = time.monotonic() - sent
+            changed = reply.generation > self._known_generation or reply.last_broken_round > self._known_broken
+            if changed:
+                self._stats.heartbeat_early += 1
+            elif self.round:
+                self._stats.heartbeat_overheads.append(took - HEARTBEAT_INTERVAL)
+            self._known_generation = max(self._known_generation, reply.generation)
+            self._known_broken = max(self._known_broken, reply.last_broken_round)
+            if changed:
+                self._changed.set()
+
+    async def report_done(self) -> None:
+        await self._post(self._main, p.PATH_REPORT, p.Report(self.worker_id, self.round, p.Outcome.DONE), p.Ack,
+                         timeout=30)
+
+    def exit(self, status: int) -> None:
+        """The process ends: its connections close, nothing more is sent."""
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._main.close()
+        self._beat.close()
+        self.exit_status = status
+        self.finished.set()
+
+
+class Simulator:
+    """The workers the driver started, by id; the control socket's server end."""
+
+    def __init__(self) -> None:
+        self.stats = Stats()
+        self.workers: dict[str, SimulatedWorker] = {}
+        self.assigned: dict[int, dict[str, Assigned]] = {}
+        self.first_asks: dict[str, float] = {}
+        self.unexpected_kills: list[str] = []  # SIGKILLs the simulator did not cause: wedged verdicts
+        self.killed_by_us: set[str] = set()
+        self._writer: asyncio.StreamWriter | None = None
+        self.worker_added = asyncio.Event()
+
+    async def serve(self, path: str) -> asyncio.AbstractServer:
+        return await asyncio.start_unix_server(self._on_driver, path)
+
+    async def _on_driver(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        while line := await reader.readline():
+            message = json.loads(line)
+            if message["op"] == "start":
+                worker = SimulatedWorker(message["worker_id"], message["url"], message["secret"], self.stats,
+                                         self._record_assigned, self.first_asks.setdefault)
+                self.workers[worker.worker_id] = worker
+                worker.start()
+                asyncio.create_task(self._report_exit(worker))
+                self.worker_added.set()
+            elif message["op"] == "signal":
+                worker = self.workers.get(message["worker_id"])
+                sig = message["signal"]
+                if worker is None or worker.finished.is_set() or sig == signal.SIGCONT:
+                    continue
+                if sig == signal.SIGKILL and worker.worker_id not in self.killed_by_us:
+                    self.unexpected_kills.append(worker.worker_id)
+                worker.exit(-sig)
+
+    def _record_assigned(self, a: Assigned) -> None:
+        self.assigned.setdefault(a.round, {})[a.worker_id] = a
+
+    async def _report_exit(self, worker: SimulatedWorker) -> None:
+        await worker.finished.wait()
+        assert self._writer is not None
+        self._writer.write(json.dumps({"worker_id": worker.worker_id, "status": worker.exit_status}).encode() + b"\n")
+        await self._writer.drain()
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL of one worker process, as the driver would see it."""
+        self.killed_by_us.add(worker_id)
+        self.workers[worker_id].exit(-signal.SIGKILL)
+
+    def live(self) -> list[SimulatedWorker]:
+        return [w for w in self.workers.values() if not w.finished.is_set()]

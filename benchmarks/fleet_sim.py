@@ -1,0 +1,210 @@
+"""The driver at fleet scale: the real driver against N simulated workers (no torch).
+
+    .venv/bin/python benchmarks/fleet_sim.py --workers 64,256,1024 --out benchmarks/results/<date>-fleet.json
+
+For each N: the real ``Driver`` runs in its own process pinned to CPU 0
+(``benchmarks/fleet/driver_process.py``, its launcher replaced by the simulator's), and N
+simulated workers speaking the real signed protocol run in this process, pinned to CPU 1
+(``benchmarks/fleet/simulated_workers.py``), 8 slots per host. Measured:
+
+- first round: from the last worker's first rendezvous request to the moment every worker
+  holds its round-1 assignment (workers all start at once);
+- steady heartbeats (``--steady`` s after round 1): the driver's CPU (share of one core),
+  its threads and memory, and each heartbeat's overhead past its one-interval long poll;
+- re-formation: one worker "SIGKILLed" (its connections close, the driver is told it
+  exited with -9) -> every survivor holds its round-2 assignment (its host's 7 other
+  workers are stopped by the driver, as a blacklisted host's are);
+- dropped connections: connection errors the workers saw, and the kernel's listen-queue
+  overflows (``TcpExtListenOverflows``) during the run; false "wedged" verdicts: workers
+  the driver killed that the simulator did not.
+
+A phase that does not finish within ``--bound`` seconds is reported as not reached, with
+the driver's last log lines. Prints a Markdown table; every figure goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.fleet.simulated_workers import Simulator  # noqa: E402
+
+DRIVER = ROOT / "benchmarks" / "fleet" / "driver_process.py"
+SLOTS_PER_HOST = 8
+
+
+def listen_overflows() -> int:
+    """The kernel's count of connections dropped because a listen queue was full."""
+    lines = Path("/proc/net/netstat").read_text().splitlines()
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            fields = dict(zip(names.split()[1:], values.split()[1:]))
+            return int(fields.get("ListenOverflows", 0))
+    return 0
+
+
+async def wait_until(predicate: Any, bound: float, driver: asyncio.subprocess.Process) -> bool:
+    """Poll ``predicate`` every 10 ms until it holds (True), the bound passes or the driver exits."""
+    deadline = time.monotonic() + bound
+    while not predicate():
+        if time.monotonic() > deadline or driver.returncode is not None:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run_one(n: int, steady: float, bound: float, workdir: Path) -> dict[str, Any]:
+    sim = Simulator()
+    control = workdir / f"control-{n}.sock"
+    server = await sim.serve(str(control))
+    log_path = workdir / f"driver-{n}.log"
+    overflows_before = listen_overflows()
+    with open(log_path, "wb") as log:
+        driver = await asyncio.create_subprocess_exec(
+            sys.executable, str(DRIVER), "--workers", str(n), "--slots-per-host", str(SLOTS_PER_HOST),
+            "--control", str(control), stdout=asyncio.subprocess.PIPE, stderr=log,
+            preexec_fn=lambda: os.sched_setaffinity(0, {0}),
+        )
+    proc = psutil.Process(driver.pid)
+    result: dict[str, Any] = {"workers": n}
+    try:
+        # First round: every worker assigned round 1.
+        formed = await wait_until(lambda: len(sim.assigned.get(1, {})) == n, bound, driver)
+        if formed:
+            result["first_round_s"] = max(a.at for a in sim.assigned[1].values()) - max(sim.first_asks.values())
+        else:
+            result["first_round_s"] = None
+            result["first_round_assigned"] = len(sim.assigned.get(1, {}))
+            return result
+        # Steady heartbeats.
+        sim.stats.heartbeat_overheads.clear()
+        cpu_before, wall_before = proc.cpu_times(), time.monotonic()
+        threads, rss = [], []
+        while time.monotonic() - wall_before < steady:
+            threads.append(proc.num_threads())
+            rss.append(proc.memory_info().rss)
+            await asyncio.sleep(0.5)
+        cpu_after, wall_after = proc.cpu_times(), time.monotonic()
+        busy = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
+        result["steady_driver_cpu"] = busy / (wall_after - wall_before)
+        result["driver_threads"] = max(threads)
+        result["driver_rss_mb"] = max(rss) / 1e6
+        overheads = list(sim.stats.heartbeat_overheads)
+        result["heartbeat_overhead_ms_p50"] = None if not overheads else 1000 * statistics.median(overheads)
+        result["heartbeat_overhead_ms_p99"] = None if not overheads else 1000 * percentile(overheads, 0.99)
+        result["heartbeats_in_steady"] = len(overheads)
+        # A loss: one worker of the last host.
+        last_host = f"sim-{(n + SLOTS_PER_HOST - 1) // SLOTS_PER_HOST - 1:04d}"
+        victim = next(w for w in sim.workers if w.startswith(f"{last_host}["))
+        survivors = n - sum(1 for w in sim.workers if w.startswith(f"{last_host}["))
+        killed_at = time.monotonic()
+        sim.kill(victim)
+        reformed = await wait_until(lambda: len(sim.assigned.get(2, {})) == survivors, bound, driver)
+        result["reform_s"] = max(a.at for a in sim.assigned[2].values()) - killed_at if reformed else None
+        if not reformed:
+            result["reform_assigned"] = len(sim.assigned.get(2, {}))
+            return result
+        # The end: every survivor reports that training returned, and exits (all at once).
+        async def finish(worker: Any) -> None:
+            try:
+                await worker.report_done()
+            finally:
+                worker.exit(0)
+
+        ends = await asyncio.gather(*(finish(w) for w in sim.live()), return_exceptions=True)
+        result["end_errors"] = sorted({f"{type(e).__name__}: {e}" for e in ends if isinstance(e, BaseException)})[:3]
+        await asyncio.wait_for(driver.wait(), bound)
+        out = (await driver.stdout.read()).decode().strip().splitlines()  # type: ignore[union-attr]
+        job = json.loads(out[-1]) if out else {}
+        result["job"] = {"success": job.get("success"), "reason": job.get("reason"), "rounds": job.get("rounds")}
+        return result
+    finally:
+        result["connection_errors"] = sim.stats.connection_errors
+        result["disowned"] = sim.stats.disowned
+        result["connections"] = sim.stats.connections
+        result["listen_overflows"] = listen_overflows() - overflows_before
+        driver_log = log_path.read_text(errors="replace")
+        result["false_wedged"] = len(sim.unexpected_kills) + driver_log.count("sent no heartbeat")
+        result["driver_log_tail"] = driver_log.splitlines()[-5:]
+        if driver.returncode is None:
+            driver.kill()
+            await driver.wait()
+        for worker in sim.live():
+            worker.exit(-9)
+        server.close()
+
+
+def fmt(value: Any, spec: str = ".2f", none: str = "not reached") -> str:
+    return none if value is None else format(value, spec)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = ["| workers | first round | re-formed after a loss | driver CPU, steady | heartbeat overhead p50 / p99 "
+            "| driver threads | driver RSS | connection errors | listen overflows | false wedged |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        rows.append(
+            f"| {r['workers']} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
+            f"| {fmt(100 * r['steady_driver_cpu'], '.0f') + ' %' if 'steady_driver_cpu' in r else '—'} "
+            f"| {fmt(r.get('heartbeat_overhead_ms_p50'), '.1f', '—')} / {fmt(r.get('heartbeat_overhead_ms_p99'), '.1f', '—')} ms "
+            f"| {r.get('driver_threads', '—')} | {fmt(r.get('driver_rss_mb'), '.0f', '—')} MB "
+            f"| {r['connection_errors']} | {r['listen_overflows']} | {r['false_wedged']} |"
+        )
+    return "\n".join(rows)
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    os.sched_setaffinity(0, {1})  # the driver has CPU 0 to itself
+    results = []
+    with tempfile.TemporaryDirectory(prefix="fleet-sim-") as tmp:
+        for n in args.workers:
+            print(f"N = {n} ...", file=sys.stderr, flush=True)
+            results.append(await run_one(n, args.steady, args.bound, Path(tmp)))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", default="64,256,1024", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--steady", type=float, default=10.0, help="seconds of steady heartbeats to measure")
+    parser.add_argument("--bound", type=float, default=150.0, help="longest a phase may take")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    started = time.time()
+    results = asyncio.run(main_async(args))
+    print(table(results))
+    if args.out is not None:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout)
+        args.out.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "argv": sys.argv[1:], "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(), "results": results,
+        }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
