@@ -62,7 +62,7 @@ async def wait_until(predicate: Any, bound: float, driver: asyncio.subprocess.Pr
     """Poll ``predicate`` every 10 ms until it holds (True), the bound passes or the driver exits."""
     deadline = time.monotonic() + bound
     while not predicate():
-        if time.monotonic() > deadline or driver.returncode is not None:
+        if time.monotonic() > deadline or driver.returncode is not None or not psutil.pid_exists(driver.pid):
             return False
         await asyncio.sleep(0.01)
     return True
@@ -148,9 +148,12 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path) -> dict[st
         driver_log = log_path.read_text(errors="replace")
         result["false_wedged"] = len(sim.unexpected_kills) + driver_log.count("sent no heartbeat")
         result["driver_log_tail"] = driver_log.splitlines()[-5:]
-        if driver.returncode is None:
-            driver.kill()
-            await driver.wait()
+        if driver.returncode is None and proc.is_running():
+            proc.kill()
+        try:
+            await asyncio.wait_for(driver.wait(), 30)
+        except asyncio.TimeoutError:
+            result["driver_not_reaped"] = True
         for worker in sim.live():
             worker.exit(-9)
         server.close()
