@@ -27,6 +27,7 @@ from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.ray.agent import OutputChunk, WorkerAgent
 from lightning_elastic.launcher.ray.nodes import RayNodeDiscovery
+from lightning_elastic.protocol import ENV_CUDA_DEVICE
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,6 @@ class RayLauncher:
         if self._settings.gpus_per_worker > 0:
             # Ray shows an actor only its own GPUs (CUDA_VISIBLE_DEVICES): device 0 is the
             # worker's first, whatever its local rank.
-            from lightning_elastic.protocol import ENV_CUDA_DEVICE  # noqa: PLC0415
-
             env[ENV_CUDA_DEVICE] = "0"
         actor = self._agent_class.options(
             name=actor_name(self._job, spec.worker_id),
