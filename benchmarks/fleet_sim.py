@@ -1,6 +1,7 @@
 """The driver at fleet scale: the real driver against N simulated workers (no torch).
 
     .venv/bin/python benchmarks/fleet_sim.py --workers 64,256,1024 --out benchmarks/results/<date>-fleet.json
+    .venv/bin/python benchmarks/fleet_sim.py --workers 2048 --heartbeat-intervals 1,default   # side by side
 
 For each N: the real ``Driver`` runs in its own process pinned to CPU 0
 (``benchmarks/fleet/driver_process.py``, its launcher replaced by the simulator's), and N
@@ -75,7 +76,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_one(n: int, steady: float, bound: float, workdir: Path) -> dict[str, Any]:
+async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: float | None) -> dict[str, Any]:
     sim = Simulator()
     control = workdir / f"control-{n}.sock"
     server = await sim.serve(str(control))
@@ -84,11 +85,12 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path) -> dict[st
     with open(log_path, "wb") as log:
         driver = await asyncio.create_subprocess_exec(
             sys.executable, str(DRIVER), "--workers", str(n), "--slots-per-host", str(SLOTS_PER_HOST),
-            "--control", str(control), stdout=asyncio.subprocess.PIPE, stderr=log,
+            "--control", str(control), *(["--heartbeat-interval", str(interval)] if interval else []),
+            stdout=asyncio.subprocess.PIPE, stderr=log,
             preexec_fn=lambda: os.sched_setaffinity(0, {0}),
         )
     proc = psutil.Process(driver.pid)
-    result: dict[str, Any] = {"workers": n}
+    result: dict[str, Any] = {"workers": n, "heartbeat_interval": interval}
     try:
         # First round: every worker assigned round 1.
         formed = await wait_until(lambda: len(sim.assigned.get(1, {})) == n, bound, driver)
@@ -143,6 +145,7 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path) -> dict[st
     finally:
         result["connection_errors"] = sim.stats.connection_errors
         result["disowned"] = sim.stats.disowned
+        result["error_kinds"] = dict(sim.stats.error_kinds)
         result["connections"] = sim.stats.connections
         result["listen_overflows"] = listen_overflows() - overflows_before
         driver_log = log_path.read_text(errors="replace")
@@ -164,12 +167,12 @@ def fmt(value: Any, spec: str = ".2f", none: str = "not reached") -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| workers | first round | re-formed after a loss | driver CPU, steady | heartbeat overhead p50 / p99 "
+    rows = ["| workers | heartbeat interval | first round | re-formed after a loss | driver CPU, steady | heartbeat overhead p50 / p99 "
             "| driver threads | driver RSS | connection errors | listen overflows | false wedged |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         rows.append(
-            f"| {r['workers']} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
+            f"| {r['workers']} | {r.get('heartbeat_interval') or 'default'} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
             f"| {fmt(100 * r['steady_driver_cpu'], '.0f') + ' %' if 'steady_driver_cpu' in r else '—'} "
             f"| {fmt(r.get('heartbeat_overhead_ms_p50'), '.1f', '—')} / {fmt(r.get('heartbeat_overhead_ms_p99'), '.1f', '—')} ms "
             f"| {r.get('driver_threads', '—')} | {fmt(r.get('driver_rss_mb'), '.0f', '—')} MB "
@@ -183,9 +186,10 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     with tempfile.TemporaryDirectory(prefix="fleet-sim-") as tmp:
         for n in args.workers:
-            print(f"N = {n} ...", file=sys.stderr, flush=True)
-            results.append(await run_one(n, args.steady, args.bound, Path(tmp)))
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
+            for interval in args.heartbeat_intervals:
+                print(f"N = {n}, heartbeat interval {interval or 'default'} ...", file=sys.stderr, flush=True)
+                results.append(await run_one(n, args.steady, args.bound, Path(tmp), interval))
+                print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
     return results
 
 
@@ -194,6 +198,9 @@ def main() -> None:
     parser.add_argument("--workers", default="64,256,1024", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--steady", type=float, default=10.0, help="seconds of steady heartbeats to measure")
     parser.add_argument("--bound", type=float, default=150.0, help="longest a phase may take")
+    parser.add_argument("--heartbeat-intervals", default=[None], metavar="S,S...",
+                        type=lambda s: [float(x) if x != "default" else None for x in s.split(",")],
+                        help="run each N with each heartbeat interval ('default': the driver's choice)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     started = time.time()

@@ -276,7 +276,7 @@ class Driver:
             p.ENV_DRIVER_URL: self._server.url,
             p.ENV_WORKER_ID: worker_id,
             p.ENV_HOSTNAME: slot.slot.host,
-            p.ENV_HEARTBEAT_INTERVAL: str(t.heartbeat_interval),
+            p.ENV_HEARTBEAT_INTERVAL: str(t.heartbeat_period),
             p.ENV_HEARTBEAT_TIMEOUT: str(t.heartbeat_timeout),
             p.ENV_ELASTIC_TIMEOUT: str(self._config.elastic_timeout),
             p.ENV_LOST_MEMBER_WAIT: str(t.lost_member_wait),

@@ -47,7 +47,8 @@ class SimulatedLauncher:
         with self._lock:
             self._processes[spec.worker_id] = process
         self.send({"op": "start", "worker_id": spec.worker_id, "host": spec.host,
-                   "url": spec.env[p.ENV_DRIVER_URL], "secret": spec.secret})
+                   "url": spec.env[p.ENV_DRIVER_URL], "secret": spec.secret,
+                   "heartbeat_interval": float(spec.env[p.ENV_HEARTBEAT_INTERVAL])})
         return process
 
     def send(self, message: dict) -> None:
@@ -102,6 +103,7 @@ def main() -> int:
     parser.add_argument("--slots-per-host", type=int, default=8)
     parser.add_argument("--control", required=True, help="the simulator's Unix socket")
     parser.add_argument("--heartbeat-timeout", type=float, default=Timeouts.heartbeat_timeout)
+    parser.add_argument("--heartbeat-interval", type=float, help="default: the driver's own choice")
     parser.add_argument("--elastic-timeout", type=float, default=300.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="driver %(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -110,7 +112,7 @@ def main() -> int:
     config = LaunchConfig(
         command=("simulated",), np=args.workers, min_np=1, max_np=args.workers, hosts=tuple(hosts),
         elastic_timeout=args.elastic_timeout,
-        timeouts=Timeouts(heartbeat_timeout=args.heartbeat_timeout),
+        timeouts=Timeouts(heartbeat_timeout=args.heartbeat_timeout, heartbeat_interval=args.heartbeat_interval),
     )
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     control.connect(args.control)

@@ -26,7 +26,6 @@ from typing import Any
 
 from lightning_elastic import protocol as p
 
-HEARTBEAT_INTERVAL = 1.0  # the driver's default, as the real workers receive it
 
 
 class DriverGone(Exception):
@@ -52,6 +51,8 @@ class Connection:
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as err:
             self.close()
             self._stats.connection_errors += 1
+            kind = f"{path} {type(err).__name__}"
+            self._stats.error_kinds[kind] = self._stats.error_kinds.get(kind, 0) + 1
             raise DriverGone(f"{type(err).__name__}: {err}") from None
 
     async def _exchange(self, request: bytes, secret: str, nonce: str) -> tuple[int, bytes]:
@@ -91,6 +92,7 @@ class Stats:
     heartbeat_overheads: list[float] = dataclasses.field(default_factory=list)  # reply - (sent + wait), s
     heartbeat_early: int = 0  # long polls answered early (a change)
     disowned: int = 0  # requests answered 409: the driver had declared the worker gone
+    error_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # "path ErrorType" -> count
 
 
 @dataclasses.dataclass
@@ -102,12 +104,13 @@ class Assigned:
 
 
 class SimulatedWorker:
-    def __init__(self, worker_id: str, url: str, secret: str, stats: Stats,
+    def __init__(self, worker_id: str, url: str, secret: str, heartbeat_interval: float, stats: Stats,
                  on_assigned: Callable[[Assigned], None], on_first_ask: Callable[[str, float], None]) -> None:
         parsed = urllib.parse.urlsplit(url)
         assert parsed.hostname is not None and parsed.port is not None
         self.worker_id = worker_id
         self._secret = secret
+        self._interval = heartbeat_interval  # the driver's, as the real workers receive it
         self._stats = stats
         self._main = Connection(parsed.hostname, parsed.port, stats)
         self._beat = Connection(parsed.hostname, parsed.port, stats)
@@ -183,19 +186,19 @@ class SimulatedWorker:
         while True:
             sent = time.monotonic()
             request = p.HeartbeatRequest(self.worker_id, self._known_generation, self._known_broken,
-                                         HEARTBEAT_INTERVAL)
+                                         self._interval)
             try:
                 reply = await self._post(self._beat, p.PATH_HEARTBEAT, request, p.HeartbeatReply,
-                                         timeout=HEARTBEAT_INTERVAL + 30)
+                                         timeout=self._interval + 30)
             except DriverGone:
-                await asyncio.sleep(HEARTBEAT_INTERVAL)
+                await asyncio.sleep(self._interval)
                 continue
             took = time.monotonic() - sent
             changed = reply.generation > self._known_generation or reply.last_broken_round > self._known_broken
             if changed:
                 self._stats.heartbeat_early += 1
             elif self.round:
-                self._stats.heartbeat_overheads.append(took - HEARTBEAT_INTERVAL)
+                self._stats.heartbeat_overheads.append(took - self._interval)
             self._known_generation = max(self._known_generation, reply.generation)
             self._known_broken = max(self._known_broken, reply.last_broken_round)
             if changed:
@@ -237,7 +240,8 @@ class Simulator:
         while line := await reader.readline():
             message = json.loads(line)
             if message["op"] == "start":
-                worker = SimulatedWorker(message["worker_id"], message["url"], message["secret"], self.stats,
+                worker = SimulatedWorker(message["worker_id"], message["url"], message["secret"],
+                                         message["heartbeat_interval"], self.stats,
                                          self._record_assigned, self.first_asks.setdefault)
                 self.workers[worker.worker_id] = worker
                 worker.start()

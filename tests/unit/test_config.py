@@ -189,3 +189,12 @@ def test_driver_address_and_interface_default_to_none_and_are_kept():
     assert (config().driver_address, config().network_interface) == (None, None)
     c = config(driver_address="10.0.0.1", network_interface="eth1")
     assert (c.driver_address, c.network_interface) == ("10.0.0.1", "eth1")
+
+
+@pytest.mark.parametrize(("timeout", "period"), [(10.0, 2.5), (7.0, 1.75), (2.5, 1.0), (60.0, 2.5)])
+def test_heartbeat_period_is_a_quarter_of_the_timeout_between_1_and_2_5_s(timeout, period):
+    assert Timeouts(heartbeat_timeout=timeout).heartbeat_period == period
+
+
+def test_an_explicit_heartbeat_interval_is_kept():
+    assert Timeouts(heartbeat_interval=0.5, heartbeat_timeout=10.0).heartbeat_period == 0.5

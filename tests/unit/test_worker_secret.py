@@ -77,7 +77,7 @@ def test_settings_from_environment_read_the_secret_and_heartbeat_timeout():
     assert settings.secret == "job-secret"
     assert settings.heartbeat_timeout == 7.5
     assert (settings.driver_url, settings.worker_id, settings.hostname) == ("http://127.0.0.1:29400", "w3", "node-a")
-    assert settings.heartbeat_interval == 1.0  # default
+    assert settings.heartbeat_interval == 1.0  # the default when the launcher gives none
     assert p.ENV_SECRET_FD not in environ
     assert not is_open(fd)
 
