@@ -48,7 +48,7 @@ from lightning_elastic.launcher.processes.local import LocalLauncher
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
 from lightning_elastic.launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
-from lightning_elastic.launcher.rendezvous_server import RendezvousServer
+from lightning_elastic.launcher.rendezvous_server import RendezvousServer, listen_queue_for
 from lightning_elastic import protocol as p
 
 # Put first on the workers' PYTHONPATH: lightning_elastic/_autoload/sitecustomize.py.
@@ -172,7 +172,8 @@ class Driver:
     def _start_services(self) -> None:
         """One listening socket, on the job's address only: the signed rendezvous service,
         which also serves the process-group store (see launcher/store_service.py)."""
-        self._server = RendezvousServer(self._registry, self._secret, host=self._address)
+        self._server = RendezvousServer(self._registry, self._secret, host=self._address,
+                                        listen_queue=listen_queue_for(self._config.max_np))
         try:
             self._server.start()
         except OSError as err:

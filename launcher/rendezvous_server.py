@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from lightning_elastic.launcher.registry import Registry, UnknownWorker
@@ -30,11 +31,34 @@ MAX_BODY = 64 * 1024  # every protocol message is tiny; refuse anything larger
 TIMESTAMP_WINDOW = 300.0
 
 
+# Connections a worker keeps to the service: its main thread's, its heartbeat's, its store's.
+CONNECTIONS_PER_WORKER = 3
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
+
+
+def listen_queue_for(workers: int) -> int:
+    """A listen queue that holds every connection a fleet of ``workers`` opens at once.
+
+    A connection the queue has no room for is dropped by the kernel and retried by the
+    client a second later, then three, then seven: a fleet starting together would form
+    its first round seconds late. The kernel caps the queue at ``net.core.somaxconn``.
+    """
+    wanted = max(1024, CONNECTIONS_PER_WORKER * workers + 64)
+    try:
+        cap = int(SOMAXCONN.read_text())
+    except (OSError, ValueError):
+        return wanted
+    if cap < wanted:
+        log.warning(
+            "The kernel caps the driver's listen queue at %d (net.core.somaxconn); %d workers may open %d "
+            "connections at once: raise it (sysctl -w net.core.somaxconn=%d) if arrivals are dropped.",
+            cap, workers, CONNECTIONS_PER_WORKER * workers, wanted,
+        )
+    return min(cap, wanted)
+
+
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
-    # Every worker opens a few connections at once (main thread, heartbeat, store); the
-    # default listen queue of 5 drops arrivals of even a small job starting together.
-    request_queue_size = 1024
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A worker that exits (or is killed) mid-request resets its connection: routine here.
@@ -46,11 +70,13 @@ class RendezvousServer:
         self, registry: Registry, secret: str, host: str = "127.0.0.1", *,
         wall_clock: Callable[[], float] = time.time,
         store: KeyValueStore | None = None,
+        listen_queue: int = 1024,
     ) -> None:
         self._registry = registry
         self._store = store if store is not None else KeyValueStore()
         self._secret = secret
         self._host = host
+        self._listen_queue = listen_queue  # see listen_queue_for
         self._wall_clock = wall_clock  # wall time: it is compared with other hosts' clocks
         self._nonce_lock = threading.Lock()
         self._seen_nonces: set[str] = set()
@@ -172,7 +198,14 @@ class RendezvousServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 log.debug("rendezvous: " + format, *args)
 
-        self._server = _QuietServer((self._host, 0), Handler)
+        self._server = _QuietServer((self._host, 0), Handler, bind_and_activate=False)
+        self._server.request_queue_size = self._listen_queue  # read by server_activate's listen()
+        try:
+            self._server.server_bind()
+            self._server.server_activate()
+        except OSError:
+            self._server.server_close()
+            raise
         self._thread = threading.Thread(target=self._server.serve_forever, name="rendezvous", daemon=True)
         self._thread.start()
 

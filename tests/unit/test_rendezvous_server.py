@@ -7,6 +7,7 @@ import itertools
 import json
 import secrets
 import socket
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
@@ -677,3 +678,37 @@ def test_body_of_unknown_length_is_left_unread_and_the_connection_closed(server,
         assert second.status == 200
     finally:
         conn.close()
+
+
+def test_the_listen_queue_holds_every_connection_of_the_fleet(monkeypatch, tmp_path):
+    from lightning_elastic.launcher import rendezvous_server
+
+    somaxconn = tmp_path / "somaxconn"
+    somaxconn.write_text("65535\n")
+    monkeypatch.setattr(rendezvous_server, "SOMAXCONN", somaxconn)
+    assert rendezvous_server.listen_queue_for(8) == 1024  # a small job keeps the floor
+    assert rendezvous_server.listen_queue_for(4096) == 3 * 4096 + 64
+
+
+def test_the_kernel_cap_on_the_listen_queue_is_said_once_and_applied(monkeypatch, tmp_path, caplog):
+    from lightning_elastic.launcher import rendezvous_server
+
+    somaxconn = tmp_path / "somaxconn"
+    somaxconn.write_text("4096\n")
+    monkeypatch.setattr(rendezvous_server, "SOMAXCONN", somaxconn)
+    with caplog.at_level("WARNING"):
+        assert rendezvous_server.listen_queue_for(4096) == 4096
+    assert "sysctl -w net.core.somaxconn=12352" in caplog.text
+
+
+def test_the_server_listens_with_the_queue_it_was_given():
+    srv = RendezvousServer(Registry(), SECRET, listen_queue=3000)
+    srv.start()
+    try:
+        # ss shows a listening socket's queue size as its Send-Q (the kernel caps it at somaxconn).
+        listening = subprocess.run(["ss", "-ltnH", f"sport = :{srv.port}"], capture_output=True, text=True,
+                                   timeout=30).stdout.split()
+        cap = int(open("/proc/sys/net/core/somaxconn").read())
+        assert listening[2] == str(min(3000, cap)), listening
+    finally:
+        srv.close()
