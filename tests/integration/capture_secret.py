@@ -18,9 +18,12 @@ def main() -> None:
     while chunk := os.read(fd, 4096):
         secret += chunk
     os.close(fd)
-    with open(out + ".tmp", "wb") as f:
+    # A temporary file of this process's own: every worker of the job runs this at the same
+    # time, and a shared one was moved away under another worker's os.replace (exit 1).
+    partial = f"{out}.{os.getpid()}.tmp"
+    with open(partial, "wb") as f:
         f.write(secret)
-    os.replace(out + ".tmp", out)
+    os.replace(partial, out)
     read_end, write_end = os.pipe()
     os.write(write_end, secret)
     os.close(write_end)
