@@ -185,10 +185,12 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     os.sched_setaffinity(0, {1})  # the driver has CPU 0 to itself
     results = []
     with tempfile.TemporaryDirectory(prefix="fleet-sim-") as tmp:
+        workdir = args.log_dir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         for n in args.workers:
             for interval in args.heartbeat_intervals:
                 print(f"N = {n}, heartbeat interval {interval or 'default'} ...", file=sys.stderr, flush=True)
-                results.append(await run_one(n, args.steady, args.bound, Path(tmp), interval))
+                results.append(await run_one(n, args.steady, args.bound, workdir, interval))
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
     return results
 
@@ -202,6 +204,7 @@ def main() -> None:
                         type=lambda s: [float(x) if x != "default" else None for x in s.split(",")],
                         help="run each N with each heartbeat interval ('default': the driver's choice)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--log-dir", type=Path, help="keep the driver's logs (driver-N.log) here")
     args = parser.parse_args()
     started = time.time()
     results = asyncio.run(main_async(args))

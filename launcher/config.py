@@ -51,8 +51,10 @@ class Timeouts:
             # "not > 0" so NaN fails too; inf would turn a bound into none.
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{option}: expected a positive, finite number of seconds, got {value}")
-    # Driver loop tick: how often it reaps processes and re-evaluates its decision.
+    # Driver loop tick: how often it reaps processes. It re-decides when something changed,
+    # and at least this often (its timers: wedged workers, timeouts, cooldowns).
     tick: float = 0.05
+    decide_every: float = 0.25
 
     @property
     def heartbeat_period(self) -> float:

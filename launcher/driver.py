@@ -183,6 +183,7 @@ class Driver:
     def _shutdown(self) -> None:
         with self._registry.cond:
             self._registry.closing = True  # a SIGTERM from stop_all below means "exit now"
+            self._registry.wake_all()
         self._discovery.close()
         procs = list(self._processes.values())
         if any(p_.poll() is None for p_ in procs):
@@ -208,35 +209,69 @@ class Driver:
     # ----- the loop -------------------------------------------------------------------
 
     def _loop(self) -> policy.Verdict:
+        """Every tick, reap exits; re-decide only when something changed.
+
+        A decision pass looks at every worker (O(N)); at thousands of workers, one per tick
+        would cost the driver most of a core. So a pass runs when a request told the
+        driver something (``Registry.changes``), a process exited, discovery changed, the
+        last pass acted, or at the latest every ``decide_every`` seconds (the timers:
+        wedged workers, timeouts, blacklist cooldowns).
+        """
         reg = self._registry
+        decide_every = self._config.timeouts.decide_every
+        seen = -1
+        next_pass = 0.0
         with reg.cond:
             while True:
                 if self._stop_requested.is_set():
                     raise _Stop()
                 now = self._clock()
-                self._take_discovery()
-                self._hosts.tick()
-                self._reap(now)
-                self._kill_wedged(now)
-                self._enforce_exit_timeout(now)
-                verdict = self._verdict(now)
-                if verdict is None:
-                    verdict = self._plan()
-                if verdict is None:
-                    verdict = self._maybe_form_round()
-                self._events.observe(reg.breaks, reg.first_steps, reg.round.number if reg.round else 0)
-                if verdict is not None:
-                    return verdict
+                changed = self._take_discovery()
+                changed = bool(self._hosts.tick()) or changed
+                changed = self._reap(now) or changed
+                if changed or reg.changes != seen or now >= next_pass:
+                    seen = reg.changes
+                    next_pass = now + decide_every
+                    verdict = self._decide(now)
+                    if verdict is not None:
+                        return verdict
                 reg.cond.wait(self._config.timeouts.tick)
 
-    def _take_discovery(self) -> None:
+    def _decide(self, now: float) -> policy.Verdict | None:
+        reg = self._registry
+        self._kill_wedged(now)
+        self._enforce_exit_timeout(now)
+        verdict = self._verdict(now)
+        if verdict is None:
+            verdict = self._plan()
+        if verdict is None:
+            verdict = self._maybe_form_round()
+        self._events.observe(reg.breaks, reg.first_steps, reg.round.number if reg.round else 0)
+        if verdict is None:
+            reg.await_arrivals(self._awaited_arrivals())
+        return verdict
+
+    def _awaited_arrivals(self) -> set[str]:
+        """The target's workers not yet waiting at the rendezvous: the driver has nothing
+        to decide on an arrival until the last of them arrives (see ``await_arrivals``)."""
+        reg = self._registry
+        number = reg.round.number if reg.round else 0
+        by_slot = {r.slot: r for r in reg.live_workers() if not r.leave}
+        return {
+            record.worker_id for a in self._target
+            if (record := by_slot.get(a.slot)) is not None
+            and (record.state != WorkerState.WAITING or record.arrived_after_round not in (number, 0))
+        }
+
+    def _take_discovery(self) -> bool:
+        """Apply discovery's newest result; True when it brought something new."""
         latest = self._discovery.latest()
         if latest is None or latest.sequence == self._discovery_seq:
-            return
+            return False
         self._discovery_seq = latest.sequence
         self._discovery_error = latest.error
         if latest.hosts is None:
-            return
+            return True
         usable = [h for h in latest.hosts if self._reachable(h.host)]
         change = self._hosts.update(usable)
         if change:
@@ -245,6 +280,7 @@ class Driver:
                 list(change.added), list(change.removed), list(change.resized),
             )
             self._events.emit("hosts_changed", added=list(change.added), removed=list(change.removed))
+        return True
 
     def _reachable(self, host: str) -> bool:
         """A remote host cannot reach services bound to loopback: refuse it, say how to fix it."""
@@ -321,14 +357,17 @@ class Driver:
         log.info("Stopping worker %s: %s.", record.worker_id, why)
         record.leave = True
         record.stopping = True
-        self._registry.wake_all()  # a rendezvous it waits in answers EXIT now
+        self._registry.note_change()
+        self._registry.wake(record)  # a rendezvous it waits in answers EXIT now
         proc = self._processes[record.worker_id]
         proc.signal(signal.SIGTERM)
         proc.signal(signal.SIGCONT)
         self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
 
-    def _reap(self, now: float) -> None:
+    def _reap(self, now: float) -> bool:
+        """Record the workers that exited; True if any did (or a stop deadline passed)."""
         reg = self._registry
+        reaped = False
         for record in reg.live_workers():
             proc = self._processes[record.worker_id]
             status = proc.poll()
@@ -337,6 +376,7 @@ class Driver:
                 if deadline is not None and now >= deadline:
                     proc.signal(signal.SIGKILL)
                 continue
+            reaped = True
             record.exit_status = status
             self._stopping.pop(record.worker_id, None)
             in_round = reg.current_member(record)
@@ -374,7 +414,8 @@ class Driver:
                 self._fail(record, status, in_round and not finishing, blacklist=not finishing)
             if finishing and self._first_exit is None:
                 self._first_exit = (now, record.worker_id)
-            reg.wake_all()  # its requests still waiting must end
+            reg.wake(record)  # its requests still waiting must end
+        return reaped
 
     def _finishing(self) -> bool:
         """Has training returned in the current round (some member reported DONE)?"""
@@ -457,6 +498,7 @@ class Driver:
         log.warning("Killing worker %s: %s.", record.worker_id, why)
         self._kill_reasons[record.worker_id] = why
         record.stopping = True
+        self._registry.note_change()
         self._processes[record.worker_id].signal(signal.SIGKILL)
         self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
         reg = self._registry
@@ -569,7 +611,7 @@ class Driver:
         log.info("Target world: %d slot(s): %s.", len(new.target), ", ".join(str(a.slot) for a in new.target))
         for worker_id in new.leave:
             reg.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
-        reg.wake_all()
+            reg.wake(reg.workers[worker_id])
         for a in new.spawn:
             self._spawn(a)
 

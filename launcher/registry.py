@@ -5,7 +5,13 @@ handlers record what workers say and wait (bounded) for the driver loop's decisi
 driver loop makes every membership decision. What a worker's request proves at once is
 recorded at once: a member back at the rendezvous unannounced, or one leaving after a
 collective error, breaks its round (so its peers hear it without waiting for a tick), and
-an error is answered by ``classify_error``. A ``threading.Condition`` wakes both sides.
+an error is answered by ``classify_error``.
+
+Waking is targeted, so that the cost of an event does not grow with the fleet: a worker's
+pending requests are ``LongPoll``s on its own ``Signal``, fired only by what may change
+their answer (its round formed, it must leave, a host change or a broken round for all);
+the driver loop's ``cond`` is notified by what the driver acts on, and by an arrival only
+once every arrival it awaits has come (``await_arrivals``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
+from lightning_elastic.launcher.long_poll import LongPoll, Signal
 from lightning_elastic.protocol import (
     Assignment,
     HeartbeatReply,
@@ -80,6 +87,8 @@ class WorkerRecord:
     departing: str = ""  # why it asked to leave (a preemption notice): its slot is vacant
     stopping: bool = False  # the driver is stopping it (SIGTERM, then SIGKILL)
     exit_status: int | None = None
+    # Its pending requests wait on this: fired when their answers may have changed.
+    wake: Signal = dataclasses.field(default_factory=Signal, repr=False, compare=False)
 
     @property
     def reported_done(self) -> bool:
@@ -113,15 +122,17 @@ class Registry:
     def __init__(self, clock: Callable[[], float] = time.monotonic, repeated_error_limit: int = 3) -> None:
         self._clock = clock
         self._repeated_error_limit = repeated_error_limit
-        # One lock, and a condition per kind of waiter, so that an event wakes only those
-        # whose answer it may change: at thousands of workers, waking every waiting
-        # request thread (and the driver loop) on every heartbeat costs the driver most
-        # of a core. ``cond`` is the driver loop's: woken by what the driver acts on.
-        lock = threading.RLock()
-        self.cond = threading.Condition(lock)
-        self._assignments = threading.Condition(lock)  # rendezvous requests: a round formed, told to leave
-        self._changes = threading.Condition(lock)  # heartbeat long polls: a generation bump, a broken round
-        self._verdicts = threading.Condition(lock)  # round-lost requests: their round's facts changed
+        # One lock for the driver loop and every request. ``cond`` is the driver loop's, woken
+        # by what the driver acts on; requests wait on their worker's own signal.
+        self._lock = threading.RLock()
+        self.cond = threading.Condition(self._lock)
+        # Worker ids whose arrival at the rendezvous the driver awaits (see await_arrivals);
+        # None: every arrival wakes the driver.
+        self._awaited: set[str] | None = None
+        self._asking: set[str] = set()  # workers with a round-lost request pending
+        # Bumped whenever the driver is notified of a request: the driver re-plans only
+        # when it moved (or a timer is due), not on every tick.
+        self.changes = 0
         self.workers: dict[str, WorkerRecord] = {}
         self.round: RoundInfo | None = None
         self.generation = 0
@@ -141,20 +152,50 @@ class Registry:
     def add_worker(self, worker_id: str, slot: SlotKey) -> WorkerRecord:
         record = WorkerRecord(worker_id, slot, started_at=self._clock())
         self.workers[worker_id] = record
+        self.changes += 1
         return record
 
+    def wake(self, record: WorkerRecord) -> None:
+        """The driver changed this worker's fate (told it to leave, stopped or reaped it):
+        its pending requests must look again."""
+        record.wake.fire()
+
     def wake_all(self) -> None:
-        """Wake every waiting request and the driver loop: the driver changed a worker's
-        fate (told it to leave, reaped it) or is stopping. Rare: not on any per-worker path."""
-        for condition in (self.cond, self._assignments, self._changes, self._verdicts):
-            condition.notify_all()
+        """Wake every pending request and the driver loop (the driver is stopping)."""
+        for record in self.workers.values():
+            record.wake.fire()
+        self.cond.notify_all()
+
+    def await_arrivals(self, worker_ids: set[str] | None) -> None:
+        """Wake the driver on an arrival only once all of ``worker_ids`` have arrived.
+
+        The driver acts on arrivals only when a whole target world waits (a round to form,
+        joiners ready to be announced); at thousands of workers, a pass per arrival would
+        cost it N passes of O(N) each. None: wake it on every arrival.
+        """
+        self._awaited = worker_ids
+
+    def note_change(self) -> None:
+        """Something the driver must decide on happened: wake its loop for a decision pass."""
+        self.changes += 1
+        self.cond.notify_all()
+
+    def _fire_live(self) -> None:
+        for record in self.workers.values():
+            if not record.state.finished:
+                record.wake.fire()
+
+    def _fire_askers(self) -> None:
+        for worker_id in self._asking:
+            self.workers[worker_id].wake.fire()
 
     def live_workers(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if not w.state.finished]
 
     def bump_generation(self) -> int:
         self.generation += 1
-        self._changes.notify_all()
+        self.changes += 1
+        self._fire_live()  # every heartbeat long poll answers at once
         return self.generation
 
     def mark_round_broken(self, number: int, cause: str = "a member was lost", error: str = "", commits: int = 0) -> bool:
@@ -167,8 +208,8 @@ class Registry:
         log.info("Round %d is broken: %s.", number, cause)
         if self.repeated_error is None:
             self.repeated_error = repeated_collective_error(self.breaks, self._repeated_error_limit)
-        for condition in (self.cond, self._changes, self._verdicts):
-            condition.notify_all()
+        self.note_change()
+        self._fire_live()  # heartbeats and round-lost verdicts answer at once
         return True
 
     def current_member(self, record: WorkerRecord) -> bool:
@@ -198,8 +239,10 @@ class Registry:
         self.round = RoundInfo(
             number, tuple(r.worker_id for r, _ in members), self.generation, tuple(r.slot for r, _ in members)
         )
-        self._assignments.notify_all()
-        self._verdicts.notify_all()
+        self.changes += 1
+        for record, _ in members:
+            record.wake.fire()
+        self._fire_askers()  # asking about the previous round: "all members asking" changed
         return self.round
 
     # ----- service side: each call records, then waits (bounded) for the driver -------
@@ -210,32 +253,47 @@ class Registry:
             raise UnknownWorker(f"unknown or finished worker {worker_id!r}")
         return record
 
+    def _poll(self, answer, record: WorkerRecord, timeout: float, finish=lambda: None) -> LongPoll:
+        return LongPoll(self._lock, answer, record.wake, self._clock() + timeout, self._clock, finish)
+
     def rendezvous(self, request: RendezvousRequest, timeout: float = RENDEZVOUS_POLL) -> RendezvousReply:
-        deadline = self._clock() + timeout
+        return self.rendezvous_poll(request, timeout).wait()
+
+    def rendezvous_poll(self, request: RendezvousRequest, timeout: float = RENDEZVOUS_POLL) -> LongPoll[RendezvousReply]:
         with self.cond:
             record = self._get(request.worker_id)
             now = self._clock()
             record.last_heartbeat = now
-            if self._assigned_after(record, request.after_round) and not record.leave:
-                # A repeat of the request that got this assignment (the client retries when
-                # the reply is lost): answer it again rather than turn a member into a
-                # waiting worker that no round will ever pick up again.
+            if not (self._assigned_after(record, request.after_round) and not record.leave):
+                self._arrive(record, request.after_round, now)
+            # else: a repeat of the request that got this assignment (the client retries
+            # when the reply is lost): answered again below, rather than turning a member
+            # into a waiting worker that no round will ever pick up again.
+
+        def answer(final: bool) -> RendezvousReply | None:
+            if record.leave:
+                return RendezvousReply(RendezvousStatus.EXIT)
+            if self._assigned_after(record, request.after_round):
                 return RendezvousReply(RendezvousStatus.ASSIGNED, record.assignment)
-            self._note_left_round(record, request.after_round)
-            if record.arrived_after_round != request.after_round or record.state != WorkerState.WAITING:
-                record.waiting_since = now
-            record.arrived_after_round = request.after_round
-            record.state = WorkerState.WAITING if not record.leave else record.state
-            self.cond.notify_all()  # an arrival: the driver may form a round or announce a change
-            while True:
-                if record.leave:
-                    return RendezvousReply(RendezvousStatus.EXIT)
-                if self._assigned_after(record, request.after_round):
-                    return RendezvousReply(RendezvousStatus.ASSIGNED, record.assignment)
-                remaining = deadline - self._clock()
-                if remaining <= 0 or record.state.finished:
-                    return RendezvousReply(RendezvousStatus.WAIT)
-                self._assignments.wait(remaining)
+            if final or record.state.finished:
+                return RendezvousReply(RendezvousStatus.WAIT)
+            return None
+
+        return self._poll(answer, record, timeout)
+
+    def _arrive(self, record: WorkerRecord, after_round: int, now: float) -> None:
+        self._note_left_round(record, after_round)
+        if record.arrived_after_round != after_round or record.state != WorkerState.WAITING:
+            record.waiting_since = now
+        record.arrived_after_round = after_round
+        record.state = WorkerState.WAITING if not record.leave else record.state
+        awaited = self._awaited
+        if awaited is None:
+            self.note_change()
+        elif record.worker_id in awaited:
+            awaited.discard(record.worker_id)
+            if not awaited:
+                self.note_change()  # the last arrival the driver waited for
 
     def _note_left_round(self, record: WorkerRecord, after_round: int) -> None:
         """A member back at the rendezvous with no change announced has left its round.
@@ -260,7 +318,9 @@ class Registry:
         return record.state == WorkerState.MEMBER and a is not None and a.round > after_round
 
     def heartbeat(self, request: HeartbeatRequest) -> HeartbeatReply:
-        deadline = self._clock() + min(request.wait_seconds, RENDEZVOUS_POLL)
+        return self.heartbeat_poll(request).wait()
+
+    def heartbeat_poll(self, request: HeartbeatRequest) -> LongPoll[HeartbeatReply]:
         with self.cond:
             record = self._get(request.worker_id)
             record.last_heartbeat = self._clock()
@@ -268,29 +328,34 @@ class Registry:
                 known = self.first_steps.get(request.stepped_round)
                 if known is None or request.stepped_at < known:
                     self.first_steps[request.stepped_round] = request.stepped_at
-                    self.cond.notify_all()  # for the timeline
-            # Wake early on a broken round too: a member blocked in a collective on a dead
-            # peer (NCCL often hangs rather than fails) learns it a long-poll sooner.
-            while (self.generation <= request.known_generation
-                   and max(self.broken_rounds, default=0) <= request.known_broken_round):
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    break
-                self._changes.wait(remaining)
-            return HeartbeatReply(self.generation, max(self.broken_rounds, default=0))
+                    self.note_change()  # for the timeline
+
+        def answer(final: bool) -> HeartbeatReply | None:
+            # Answer early on a broken round too: a member blocked in a collective on a dead
+            # peer (NCCL often hangs rather than fails) learns it a long poll sooner.
+            broken = max(self.broken_rounds, default=0)
+            if final or self.generation > request.known_generation or broken > request.known_broken_round:
+                return HeartbeatReply(self.generation, broken)
+            return None
+
+        return self._poll(answer, record, min(request.wait_seconds, RENDEZVOUS_POLL))
 
     def round_lost(self, request: RoundLostRequest) -> RoundLostReply:
         """Did ``request.round`` lose a member? Answers early both ways (see ``classify_error``).
 
         A collective error first breaks the round (its member leaves it whatever the answer).
         """
-        deadline = self._clock() + min(request.wait_seconds, 60.0)
+        return self.round_lost_poll(request).wait()
+
+    def round_lost_poll(self, request: RoundLostRequest) -> LongPoll[RoundLostReply]:
+        wait = min(request.wait_seconds, 60.0)
         with self.cond:
             record = self._get(request.worker_id)
             record.asking_round = request.round
+            self._asking.add(record.worker_id)
             record.last_heartbeat = self._clock()
-            self.cond.notify_all()
-            self._verdicts.notify_all()  # the other askers: are all members asking now?
+            self.note_change()
+            self._fire_askers()  # the other askers: are all members asking now?
             current = self.round.number if self.round is not None else 0
             if request.collective and request.round == current:
                 self.mark_round_broken(
@@ -299,27 +364,32 @@ class Registry:
                     error=request.error or "collective error",
                     commits=request.commits,
                 )
-            try:
-                while True:
-                    all_asking = self._all_members_asking(request.round)
-                    view = ErrorView(
-                        broken=request.round in self.broken_rounds,
-                        judged_own=request.round in self.user_error_rounds,
-                        all_members_asking=all_asking,
-                        collective=request.collective,
-                        repeated_error=self.repeated_error,
-                        waited_out=deadline - self._clock() <= 0,
-                    )
-                    reply = classify_error(view)
-                    if reply is not None:
-                        if all_asking and not reply.lost and not request.collective:
-                            # Sticky, so members answered later agree.
-                            self.user_error_rounds.add(request.round)
-                            self._verdicts.notify_all()
-                        return reply
-                    self._verdicts.wait(max(0.0, deadline - self._clock()))
-            finally:
-                record.asking_round = None
+
+        def answer(final: bool) -> RoundLostReply | None:
+            broken = request.round in self.broken_rounds
+            # O(members): not asked of a broken round, whose answer does not need it (at
+            # thousands of members, every one asks about the same broken round at once).
+            all_asking = not broken and self._all_members_asking(request.round)
+            view = ErrorView(
+                broken=broken,
+                judged_own=request.round in self.user_error_rounds,
+                all_members_asking=all_asking,
+                collective=request.collective,
+                repeated_error=self.repeated_error,
+                waited_out=final,
+            )
+            reply = classify_error(view)
+            if reply is not None and all_asking and not reply.lost and not request.collective:
+                # Sticky, so members answered later agree.
+                self.user_error_rounds.add(request.round)
+                self._fire_askers()
+            return reply
+
+        def finish() -> None:
+            record.asking_round = None
+            self._asking.discard(record.worker_id)
+
+        return self._poll(answer, record, wait, finish)
 
     def leave(self, request: LeaveRequest) -> LeaveReply:
         """A worker got a preemption notice: let it leave at its next check, or not."""
@@ -329,7 +399,7 @@ class Registry:
                 return LeaveReply(False)
             record.departing = request.reason or "preempted"
             record.leave = True
-            self.cond.notify_all()
+            self.note_change()
             return LeaveReply(True)
 
     def _all_members_asking(self, number: int) -> bool:
@@ -342,7 +412,7 @@ class Registry:
         with self.cond:
             record = self._get(report.worker_id)
             record.report = report
-            self.cond.notify_all()
+            self.note_change()
 
 
 def outcome_of(record: WorkerRecord) -> Outcome | None:

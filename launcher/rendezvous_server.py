@@ -8,16 +8,19 @@ signed so workers can trust them. Nothing is unpickled.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import logging
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from lightning_elastic.launcher.http_connection import HttpConnection, HttpRequest, HttpResponse
+from lightning_elastic.launcher.long_poll import LongPoll, LoopWaker
 from lightning_elastic.launcher.registry import Registry, UnknownWorker
 from lightning_elastic.launcher.store_service import KeyValueStore
 from lightning_elastic import protocol as p
@@ -57,15 +60,20 @@ def listen_queue_for(workers: int) -> int:
     return min(cap, wanted)
 
 
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
+_VERSION = str(p.PROTOCOL_VERSION)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A worker that exits (or is killed) mid-request resets its connection: routine here.
-        log.debug("Rendezvous connection from %s ended abruptly.", client_address[0], exc_info=True)
+# Requests whose answer may wait for the driver (long polls); the rest answer at once.
+Route = tuple[type, Callable[[Any], Any]]
 
 
 class RendezvousServer:
+    """The service on one event loop, in one thread, whatever the number of workers.
+
+    Each request is framed (``http_connection``), authenticated and decoded here, then
+    handed to the registry (or the store): an immediate answer is written at once, a long
+    poll waits as an ``asyncio`` future, never as a thread.
+    """
+
     def __init__(
         self, registry: Registry, secret: str, host: str = "127.0.0.1", *,
         wall_clock: Callable[[], float] = time.time,
@@ -78,141 +86,134 @@ class RendezvousServer:
         self._host = host
         self._listen_queue = listen_queue  # see listen_queue_for
         self._wall_clock = wall_clock  # wall time: it is compared with other hosts' clocks
-        self._nonce_lock = threading.Lock()
         self._seen_nonces: set[str] = set()
         self._nonce_expiry: list[tuple[int, str]] = []  # heap of (request timestamp, nonce)
         # Oldest timestamp still accepted; it never moves back, even if the wall clock steps
         # back, so a nonce forgotten below it can never be replayed.
         self._oldest_accepted = float("-inf")
-        self._server: ThreadingHTTPServer | None = None
+        self._address: tuple[str, int] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waker: LoopWaker | None = None
+        self._connections: set[HttpConnection] = set()
         self._thread: threading.Thread | None = None
+        self._routes: dict[str, Route] = {
+            p.PATH_RENDEZVOUS: (p.RendezvousRequest, self._registry.rendezvous_poll),
+            p.PATH_HEARTBEAT: (p.HeartbeatRequest, self._registry.heartbeat_poll),
+            p.PATH_ROUND_LOST: (p.RoundLostRequest, self._registry.round_lost_poll),
+            p.PATH_REPORT: (p.Report, self._report),
+            p.PATH_LEAVE: (p.LeaveRequest, self._registry.leave),
+            p.PATH_STORE: (p.StoreRequest, self._store.poll),
+        }
         self.rejected = 0  # requests refused for auth or form; shown in the job summary
 
     @property
     def port(self) -> int:
-        assert self._server is not None, "start() first"
-        return self._server.server_address[1]
+        assert self._address is not None, "start() first"
+        return self._address[1]
 
     @property
     def url(self) -> str:
-        assert self._server is not None, "start() first"
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        assert self._address is not None, "start() first"
+        return f"http://{self._address[0]}:{self._address[1]}"
 
     def start(self) -> None:
-        routes: dict[str, tuple[type, Callable[[Any], Any]]] = {
-            p.PATH_RENDEZVOUS: (p.RendezvousRequest, self._registry.rendezvous),
-            p.PATH_HEARTBEAT: (p.HeartbeatRequest, self._registry.heartbeat),
-            p.PATH_ROUND_LOST: (p.RoundLostRequest, self._registry.round_lost),
-            p.PATH_REPORT: (p.Report, self._report),
-            p.PATH_LEAVE: (p.LeaveRequest, self._registry.leave),
-            p.PATH_STORE: (p.StoreRequest, self._store.handle),
-        }
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            # Headers and body go out in separate writes: without TCP_NODELAY, Nagle holds
-            # the body back until the client's delayed ACK (~40 ms a request).
-            disable_nagle_algorithm = True
-            protocol_version = "HTTP/1.1"
-            # The nonce of the request being answered, once its signature is verified: replies
-            # are signed only then (signing for an unverified, hence anyone's, nonce would
-            # hand out valid answers to requests the secret's holder never made).
-            reply_nonce: str | None = None
-
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                self.reply_nonce = None  # a keep-alive connection reuses this handler
-                auth = p.parse_request_auth(self.headers)
-                if auth is None:
-                    return self._refuse(
-                        HTTPStatus.UNAUTHORIZED, p.ErrorReply("missing or malformed signature headers")
-                    )
-                length = self._body_length()
-                if length is None:
-                    return self._refuse(
-                        HTTPStatus.BAD_REQUEST, p.ErrorReply(f"Content-Length must be 0..{MAX_BODY}")
-                    )
-                body = self.rfile.read(length)  # the signature covers the body's hash
-                if not p.verify_request(server._secret, self.command, self.path, auth, body):
-                    return self._reply(HTTPStatus.UNAUTHORIZED, p.ErrorReply("bad signature (wrong job secret?)"))
-                self.reply_nonce = auth.nonce
-                stale = server._admit(auth)
-                if stale is not None:
-                    return self._reply(HTTPStatus.UNAUTHORIZED, p.ErrorReply(stale))
-                route = routes.get(self.path)
-                if route is None:
-                    return self._reply(HTTPStatus.NOT_FOUND, p.ErrorReply(f"no such path {self.path}"))
-                cls, call = route
-                try:
-                    message = p.decode(cls, body)
-                    reply = call(message)
-                except p.ProtocolError as err:
-                    return self._reply(HTTPStatus.BAD_REQUEST, p.ErrorReply(str(err)))
-                except UnknownWorker as err:
-                    return self._reply(HTTPStatus.CONFLICT, p.ErrorReply(str(err)))
-                self._reply(HTTPStatus.OK, reply)
-
-            def _body_length(self) -> int | None:
-                """The body's length, or None unless a Content-Length of 0..MAX_BODY gives it."""
-                if "Transfer-Encoding" in self.headers:
-                    return None  # a chunked body has no Content-Length: its end is unknown here
-                try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                except ValueError:
-                    return None
-                return length if 0 <= length <= MAX_BODY else None
-
-            def _refuse(self, status: HTTPStatus, message: Any) -> None:
-                """Reply to a request before reading its body.
-
-                On a keep-alive connection the unread body would be parsed as the next
-                request: discard it when its length is valid, otherwise close the
-                connection (a body of unknown or excessive length is never read).
-                """
-                length = self._body_length()
-                if length is None:
-                    self.close_connection = True
-                else:
-                    self.rfile.read(length)
-                self._reply(status, message)
-
-            def _reply(self, status: HTTPStatus, message: Any) -> None:
-                if status != HTTPStatus.OK:
-                    server.rejected += 1
-                    log.warning(
-                        "Rendezvous service rejected %s from %s: %d %s",
-                        self.path, self.client_address[0], status, getattr(message, "error", ""),
-                    )
-                body = p.to_json(message)
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                if self.reply_nonce is not None:
-                    signature = p.sign_reply(server._secret, status, self.reply_nonce, body)
-                    self.send_header(p.HEADER_SIGNATURE, signature)
-                if self.close_connection:
-                    self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                log.debug("rendezvous: " + format, *args)
-
-        self._server = _QuietServer((self._host, 0), Handler, bind_and_activate=False)
-        self._server.request_queue_size = self._listen_queue  # read by server_activate's listen()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            self._server.server_bind()
-            self._server.server_activate()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, 0))
+            sock.listen(self._listen_queue)
         except OSError:
-            self._server.server_close()
+            sock.close()
             raise
-        self._thread = threading.Thread(target=self._server.serve_forever, name="rendezvous", daemon=True)
+        self._address = sock.getsockname()[:2]
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._waker = LoopWaker(loop)
+        listening = loop.run_until_complete(loop.create_server(
+            lambda: HttpConnection(self._dispatch, self._refuse, MAX_BODY, self._connections),
+            sock=sock, backlog=self._listen_queue,  # asyncio listens again: with this queue, not its 100
+        ))
+        self._thread = threading.Thread(target=self._serve, args=(loop, listening), name="rendezvous", daemon=True)
         self._thread.start()
 
+    def _serve(self, loop: asyncio.AbstractEventLoop, listening: asyncio.AbstractServer) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            listening.close()
+            for connection in list(self._connections):
+                connection.close()
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(listening.wait_closed())
+            loop.close()
+
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        if self._loop is None or self._thread is None:
+            return
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    # ----- one request -------------------------------------------------------------------
+
+    def _dispatch(self, request: HttpRequest) -> HttpResponse | Awaitable[HttpResponse]:
+        version = request.headers.get(p.HEADER_PROTOCOL.lower())
+        auth = p.parse_request_auth(_SignedHeaders(request.headers))
+        if version != _VERSION and (version is not None or auth is not None):
+            # Before the signature: another version may sign differently ("bad signature"
+            # would mislead). A request with neither header is no worker's: 401 below.
+            return self._reject(request, HTTPStatus.BAD_REQUEST, p.version_mismatch(version))
+        if auth is None:
+            return self._reject(request, HTTPStatus.UNAUTHORIZED, "missing or malformed signature headers")
+        if not p.verify_request(self._secret, request.method, request.path, auth, request.body):
+            return self._reject(request, HTTPStatus.UNAUTHORIZED, "bad signature (wrong job secret?)")
+        # From here the request is the secret holder's: replies are signed for its nonce
+        # (signing for an unverified, hence anyone's, nonce would hand out valid answers
+        # to requests the secret's holder never made).
+        stale = self._admit(auth)
+        if stale is not None:
+            return self._reject(request, HTTPStatus.UNAUTHORIZED, stale, auth.nonce)
+        route = self._routes.get(request.path)
+        if route is None:
+            return self._reject(request, HTTPStatus.NOT_FOUND, f"no such path {request.path}", auth.nonce)
+        cls, call = route
+        try:
+            reply = call(p.decode(cls, request.body))
+        except p.ProtocolError as err:
+            return self._reject(request, HTTPStatus.BAD_REQUEST, str(err), auth.nonce)
+        except UnknownWorker as err:
+            return self._reject(request, HTTPStatus.CONFLICT, str(err), auth.nonce)
+        if isinstance(reply, LongPoll):
+            return self._await(reply, auth.nonce)
+        return self._response(HTTPStatus.OK, reply, auth.nonce)
+
+    async def _await(self, poll: LongPoll[Any], nonce: str) -> HttpResponse:
+        assert self._waker is not None
+        return self._response(HTTPStatus.OK, await poll.wait_async(self._waker), nonce)
+
+    def _refuse(self, status: HTTPStatus, why: str, headers: dict[str, str]) -> HttpResponse:
+        """A request refused before its body was read (framing): never signed."""
+        self._count_rejection(status, why, "")
+        return self._response(status, p.ErrorReply(why), None)
+
+    def _reject(self, request: HttpRequest, status: HTTPStatus, why: str, nonce: str | None = None) -> HttpResponse:
+        self._count_rejection(status, why, f"{request.path} from {request.peer}")
+        return self._response(status, p.ErrorReply(why), nonce)
+
+    def _count_rejection(self, status: HTTPStatus, why: str, what: str) -> None:
+        self.rejected += 1
+        log.warning("Rendezvous service rejected %s: %d %s", what or "a request", status, why)
+
+    def _response(self, status: HTTPStatus, message: Any, nonce: str | None) -> HttpResponse:
+        body = p.to_json(message)
+        headers: tuple[tuple[str, str], ...] = ((p.HEADER_PROTOCOL, _VERSION),)
+        if nonce is not None:
+            headers += ((p.HEADER_SIGNATURE, p.sign_reply(self._secret, status, nonce, body)),)
+        return HttpResponse(status, body, headers)
 
     def _admit(self, auth: p.RequestAuth) -> str | None:
         """Why a correctly signed request is refused (stale or replayed), or None to admit it.
@@ -220,19 +221,35 @@ class RendezvousServer:
         Only verified nonces are remembered, so forged requests cannot fill the cache.
         """
         now = self._wall_clock()
-        with self._nonce_lock:
-            self._oldest_accepted = max(self._oldest_accepted, now - TIMESTAMP_WINDOW)
-            if not self._oldest_accepted <= auth.timestamp <= now + TIMESTAMP_WINDOW:
-                return f"timestamp outside {TIMESTAMP_WINDOW:g} s of the driver's clock (clock skew?)"
-            # A nonce older than the window is refused by its timestamp alone: forget it.
-            while self._nonce_expiry and self._nonce_expiry[0][0] < self._oldest_accepted:
-                self._seen_nonces.discard(heapq.heappop(self._nonce_expiry)[1])
-            if auth.nonce in self._seen_nonces:
-                return "replayed request (nonce already seen)"
-            self._seen_nonces.add(auth.nonce)
-            heapq.heappush(self._nonce_expiry, (auth.timestamp, auth.nonce))
-            return None
+        # Only the service's loop thread admits requests: no lock.
+        self._oldest_accepted = max(self._oldest_accepted, now - TIMESTAMP_WINDOW)
+        if not self._oldest_accepted <= auth.timestamp <= now + TIMESTAMP_WINDOW:
+            return f"timestamp outside {TIMESTAMP_WINDOW:g} s of the driver's clock (clock skew?)"
+        # A nonce older than the window is refused by its timestamp alone: forget it.
+        while self._nonce_expiry and self._nonce_expiry[0][0] < self._oldest_accepted:
+            self._seen_nonces.discard(heapq.heappop(self._nonce_expiry)[1])
+        if auth.nonce in self._seen_nonces:
+            return "replayed request (nonce already seen)"
+        self._seen_nonces.add(auth.nonce)
+        heapq.heappush(self._nonce_expiry, (auth.timestamp, auth.nonce))
+        return None
 
     def _report(self, report: p.Report) -> p.Ack:
         self._registry.report(report)
         return p.Ack()
+
+
+class _SignedHeaders(Mapping[str, str]):
+    """A request's headers (lower-cased names) looked up by the protocol's header names."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self._headers = headers
+
+    def __getitem__(self, name: str) -> str:
+        return self._headers[name.lower()]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._headers)
+
+    def __len__(self) -> int:
+        return len(self._headers)

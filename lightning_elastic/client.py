@@ -6,6 +6,7 @@ Requests are signed and replies verified with the job's secret (``protocol.sign_
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any, TypeVar
 
@@ -17,7 +18,37 @@ from lightning_elastic.errors import RendezvousError
 T = TypeVar("T")
 
 CONNECT_TIMEOUT = 5.0
-RETRY_FOR = 30.0  # keep retrying a request this long while the driver is unreachable
+RETRY_FOR = 30.0  # keep retrying a request this long while the driver cannot be connected to
+# Retries back off exponentially from BACKOFF_BASE to BACKOFF_CAP seconds, each delay drawn
+# at random below its bound ("full jitter"): a fleet that failed together (the driver was
+# briefly unreachable) must not come back together.
+BACKOFF_BASE = 0.1
+BACKOFF_CAP = 2.0
+# A fleet started at once spreads its first request over world_size / this many seconds
+# (0.25 s at 4,096 workers, under a millisecond at 8).
+FIRST_REQUEST_SPREAD_RATE = 16384.0
+HEARTBEAT_HOLD_JITTER = 0.25  # a heartbeat long poll is held for 75-100 % of the interval
+
+
+def backoff(attempt: int, rng: random.Random = random._inst) -> float:  # type: ignore[attr-defined]
+    """Seconds to wait before retry number ``attempt`` (0 for the first retry)."""
+    return rng.uniform(0.0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
+
+
+def first_request_spread(world_size: int, rng: random.Random = random._inst) -> float:  # type: ignore[attr-defined]
+    """Seconds a worker waits before its first request, so that a fleet does not arrive at once."""
+    return rng.uniform(0.0, max(0, world_size) / FIRST_REQUEST_SPREAD_RATE)
+
+
+def driver_is_busy(err: requests.RequestException) -> bool:
+    """Did the driver accept the request and not answer in time (busy, not gone)?
+
+    A worker never gives up on a busy driver: it asks again. One it cannot connect to
+    (refused, unreachable, a connect timeout) is retried for RETRY_FOR seconds, then the
+    request fails. A driver that accepts and never answers (stopped, wedged) is caught by
+    the heartbeat thread, which ends the worker (``DRIVER_LOST_AFTER_TIMEOUTS``).
+    """
+    return isinstance(err, requests.ReadTimeout)
 
 
 class DriverClient:
@@ -43,7 +74,8 @@ class DriverClient:
 
     def leave(self, reason: str) -> bool:
         """Ask to leave gracefully; False: exit now. A short retry: a preempted worker has little time."""
-        return self._post(p.PATH_LEAVE, p.LeaveRequest(self.worker_id, reason), p.LeaveReply, retry_for=2.0).graceful
+        return self._post(p.PATH_LEAVE, p.LeaveRequest(self.worker_id, reason), p.LeaveReply, retry_for=2.0,
+                          patient=False).graceful
 
     def report(self, round_number: int, outcome: p.Outcome, message: str = "") -> None:
         self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, message[:2000]), p.Ack)
@@ -55,9 +87,12 @@ class DriverClient:
         self._session.close()
 
     def _post(self, path: str, message: Any, reply_type: type[T], wait: float = 0.0,
-              retry_for: float = RETRY_FOR) -> T:
+              retry_for: float = RETRY_FOR, patient: bool = True) -> T:
+        """Send, retrying for ``retry_for`` seconds while the driver cannot be reached, and
+        without a limit while it is busy if ``patient`` (see ``driver_is_busy``)."""
         deadline = time.monotonic() + retry_for
         body = p.to_json(message)
+        attempt = 0
         while True:
             # Signed afresh for every attempt: the driver refuses a nonce it has seen.
             auth = p.sign_request(self._secret, "POST", path, body)
@@ -68,10 +103,17 @@ class DriverClient:
                     timeout=(CONNECT_TIMEOUT, wait + 30.0),
                 )
             except requests.RequestException as err:
-                if time.monotonic() >= deadline:
+                busy = patient and driver_is_busy(err)
+                if retry_for <= 0 or (not busy and time.monotonic() >= deadline):
                     raise RendezvousError(f"driver at {self._url} unreachable: {err}") from None
-                time.sleep(0.5)
+                time.sleep(backoff(attempt))
+                attempt += 1
                 continue
+            version = response.headers.get(p.HEADER_PROTOCOL)
+            if version != str(p.PROTOCOL_VERSION):
+                # Said before the signature check: another version may sign differently. A
+                # spoofer gains nothing by it: an unsigned reply ends the request too.
+                raise RendezvousError(f"driver at {self._url}: {p.version_mismatch(version, side='driver')}")
             self._check_signature(response, auth[p.HEADER_NONCE])
             if response.status_code != 200:
                 raise RendezvousError(

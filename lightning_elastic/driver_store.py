@@ -57,28 +57,39 @@ class DriverStore(dist.Store):
         self._call(p.StoreOp.APPEND, key, value=_b64(value))
 
     def get(self, key: str) -> bytes:
-        return self._get(key, self._timeout)
+        return self._wait_for(p.StoreOp.GET, (key,), self._timeout)[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """All of ``keys`` in one request (NCCL's bootstrap beyond 128 ranks reads one id per
+        128 ranks: one request instead of one per key)."""
+        return self._wait_for(p.StoreOp.MULTI_GET, tuple(keys), self._timeout) if keys else []
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        for key in keys:
-            self._get(key, timeout or self._timeout)
+        if keys:
+            self._wait_for(p.StoreOp.MULTI_GET, tuple(keys), timeout or self._timeout)
 
-    def _get(self, key: str, timeout: datetime.timedelta) -> bytes:
+    def _wait_for(self, op: p.StoreOp, keys: tuple[str, ...], timeout: datetime.timedelta) -> list[bytes]:
         deadline = time.monotonic() + timeout.total_seconds()
+        what = f"store key {keys[0]!r}" if len(keys) == 1 else f"store keys {', '.join(map(repr, keys[:3]))}..."
         while True:
             remaining = deadline - time.monotonic()
-            reply = self._call(p.StoreOp.GET, key, wait_seconds=max(0.0, min(POLL, remaining)))
+            wait = max(0.0, min(POLL, remaining))
+            if op == p.StoreOp.GET:
+                reply = self._call(op, keys[0], wait_seconds=wait)
+            else:
+                reply = self._call(op, keys=keys, wait_seconds=wait)
             if reply.found:
-                return base64.b64decode(reply.value)
+                values = (reply.value,) if op == p.StoreOp.GET else reply.values
+                return [base64.b64decode(v) for v in values]
             why = self._interrupted()
             if why is not None:
-                raise CollectiveError(f"{why} while its process group was forming (store key {key!r})")
+                raise CollectiveError(f"{why} while its process group was forming ({what})")
             if remaining <= 0:
                 # A peer of the forming round did not publish in time: the formation failed,
                 # as a collective fails. The round is re-formed (the driver bounds repeats);
                 # a RendezvousError here ended the worker (seen once in CI: both members of
                 # a new round timed out waiting for each other's key, and the job failed).
-                raise CollectiveError(f"store key {key!r} did not appear within {timeout.total_seconds():g} s")
+                raise CollectiveError(f"{what} did not appear within {timeout.total_seconds():g} s")
 
     def add(self, key: str, amount: int) -> int:
         return int(base64.b64decode(self._call(p.StoreOp.ADD, key, amount=str(int(amount))).value))

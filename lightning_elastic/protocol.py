@@ -48,6 +48,10 @@ ENV_PREEMPTION_GRACE = "LIGHTNING_ELASTIC_PREEMPTION_GRACE"
 # device is cuda:LOCAL_RANK of the current round.
 ENV_CUDA_DEVICE = "LIGHTNING_ELASTIC_CUDA_DEVICE"
 
+# The protocol's version, on every request and reply: a worker and a driver of different
+# versions refuse each other with a message that says so (2: the store's MULTI_GET).
+PROTOCOL_VERSION = 2
+HEADER_PROTOCOL = "X-Elastic-Protocol"
 HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
 HEADER_NONCE = "X-Elastic-Nonce"  # secrets.token_hex(16), fresh for every request sent
 HEADER_SIGNATURE = "X-Elastic-Signature"  # hex HMAC-SHA256; on requests and on replies
@@ -181,6 +185,7 @@ class StoreOp(str, Enum):
     DELETE = "delete"
     NUM_KEYS = "num_keys"
     APPEND = "append"
+    MULTI_GET = "multi_get"  # long poll: answer when every one of ``keys`` exists, or not found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +200,8 @@ class StoreRequest:
     value: str = ""  # base64: SET, APPEND, COMPARE_SET's desired value
     expected: str = ""  # base64: COMPARE_SET's expected value
     amount: str = "0"  # ADD, as decimal text (it may be negative)
-    wait_seconds: float = 0.0  # GET
+    wait_seconds: float = 0.0  # GET, MULTI_GET
+    keys: tuple[str, ...] = ()  # MULTI_GET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +209,7 @@ class StoreReply:
     found: bool  # GET, CHECK, DELETE: whether the key existed
     value: str = ""  # base64: GET's value, ADD's new total (decimal text), COMPARE_SET's result
     count: int = 0  # NUM_KEYS
+    values: tuple[str, ...] = ()  # base64: MULTI_GET's, in the order of its keys, once all exist
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +261,7 @@ def sign_request(secret: str, method: str, path: str, body: bytes) -> dict[str, 
     """The signing headers for one request: call again for every attempt (a fresh nonce)."""
     timestamp, nonce = int(time.time()), secrets.token_hex(16)
     return {
+        HEADER_PROTOCOL: str(PROTOCOL_VERSION),
         HEADER_TIMESTAMP: str(timestamp),
         HEADER_NONCE: nonce,
         HEADER_SIGNATURE: request_signature(secret, method, path, timestamp, nonce, body),
@@ -286,6 +294,14 @@ def sign_reply(secret: str, status: int, nonce: str, body: bytes) -> str:
 
 def verify_reply(secret: str, status: int, nonce: str, body: bytes, signature: str | None) -> bool:
     return _matches(sign_reply(secret, status, nonce, body), signature)
+
+
+def version_mismatch(theirs: str | None, side: str = "worker") -> str:
+    """Why a peer speaking protocol ``theirs`` (None: too old to say) is refused."""
+    said = f"protocol version {theirs}" if theirs is not None else "an older protocol (no version)"
+    ours = "driver" if side == "worker" else "worker"
+    return (f"the {side} speaks {said} and the {ours} version {PROTOCOL_VERSION}: "
+            "install the same lightning-elastic version for the driver and on every host")
 
 
 def to_json(message: Any) -> bytes:
@@ -334,6 +350,11 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         (hint,) = [a for a in args if a is not type(None)]
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
+    if typing.get_origin(hint) is tuple:  # tuple[X, ...]: a JSON array
+        (item, _ellipsis) = args
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
+        return tuple(_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value))
     if isinstance(hint, type) and issubclass(hint, Enum):
         try:
             return hint(value)

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
-from lightning_elastic.client import DriverClient
+from lightning_elastic.client import HEARTBEAT_HOLD_JITTER, DriverClient, first_request_spread
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
@@ -257,6 +258,8 @@ class ElasticWorker:
         assert self._client is not None and self.settings is not None
         after = self._assignment.round if self._assignment else 0
         deadline = time.monotonic() + self.settings.elastic_timeout + 60.0
+        if after == 0:
+            time.sleep(first_request_spread(int(os.environ.get("WORLD_SIZE", "1"))))
         while True:
             reply = self._client.rendezvous(after)
             if reply.status == p.RendezvousStatus.ASSIGNED:
@@ -466,7 +469,11 @@ class ElasticWorker:
             try:
                 with self._lock:
                     known, known_broken = self._seen_generation, self._last_broken_round
-                reply = self._client.heartbeat(known, known_broken, interval, self._stepped)
+                # Each long poll is held a little less than the interval, by a random
+                # amount: the fleet's heartbeats, all answered at once on a change, drift
+                # apart again instead of reaching the driver in waves.
+                hold = interval * random.uniform(1.0 - HEARTBEAT_HOLD_JITTER, 1.0)
+                reply = self._client.heartbeat(known, known_broken, hold, self._stepped)
             except RendezvousError as err:
                 if "(409)" in str(err):
                     # The driver counts this worker as gone (it missed heartbeats behind a

@@ -48,7 +48,8 @@ class SimulatedLauncher:
             self._processes[spec.worker_id] = process
         self.send({"op": "start", "worker_id": spec.worker_id, "host": spec.host,
                    "url": spec.env[p.ENV_DRIVER_URL], "secret": spec.secret,
-                   "heartbeat_interval": float(spec.env[p.ENV_HEARTBEAT_INTERVAL])})
+                   "heartbeat_interval": float(spec.env[p.ENV_HEARTBEAT_INTERVAL]),
+                   "world_size": int(spec.env["WORLD_SIZE"])})
         return process
 
     def send(self, message: dict) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
 import signal
 import time
 import urllib.parse
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_elastic import protocol as p
+from lightning_elastic.client import HEARTBEAT_HOLD_JITTER, RETRY_FOR, backoff, first_request_spread
 
 
 
@@ -104,13 +106,15 @@ class Assigned:
 
 
 class SimulatedWorker:
-    def __init__(self, worker_id: str, url: str, secret: str, heartbeat_interval: float, stats: Stats,
-                 on_assigned: Callable[[Assigned], None], on_first_ask: Callable[[str, float], None]) -> None:
+    def __init__(self, worker_id: str, url: str, secret: str, heartbeat_interval: float, world_size: int,
+                 stats: Stats, on_assigned: Callable[[Assigned], None],
+                 on_first_ask: Callable[[str, float], None]) -> None:
         parsed = urllib.parse.urlsplit(url)
         assert parsed.hostname is not None and parsed.port is not None
         self.worker_id = worker_id
         self._secret = secret
         self._interval = heartbeat_interval  # the driver's, as the real workers receive it
+        self._world_size = world_size
         self._stats = stats
         self._main = Connection(parsed.hostname, parsed.port, stats)
         self._beat = Connection(parsed.hostname, parsed.port, stats)
@@ -131,14 +135,16 @@ class SimulatedWorker:
     async def _post(self, conn: Connection, path: str, message: Any, reply_type: type, timeout: float) -> Any:
         """A request as ``DriverClient._post`` makes it: retried while the driver is unreachable."""
         body = p.to_json(message)
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + RETRY_FOR
+        attempt = 0
         while True:
             try:
                 status, reply = await conn.post(path, body, self._secret, timeout)
             except DriverGone:
                 if time.monotonic() >= deadline:
                     raise
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
                 continue
             self._stats.requests += 1
             if status == 409:
@@ -152,6 +158,7 @@ class SimulatedWorker:
             return p.decode(reply_type, reply)
 
     async def _main_loop(self) -> None:
+        await asyncio.sleep(first_request_spread(self._world_size))
         first = True
         while True:
             if first:
@@ -185,8 +192,8 @@ class SimulatedWorker:
     async def _heartbeat_loop(self) -> None:
         while True:
             sent = time.monotonic()
-            request = p.HeartbeatRequest(self.worker_id, self._known_generation, self._known_broken,
-                                         self._interval)
+            hold = self._interval * random.uniform(1.0 - HEARTBEAT_HOLD_JITTER, 1.0)  # as ElasticWorker
+            request = p.HeartbeatRequest(self.worker_id, self._known_generation, self._known_broken, hold)
             try:
                 reply = await self._post(self._beat, p.PATH_HEARTBEAT, request, p.HeartbeatReply,
                                          timeout=self._interval + 30)
@@ -198,7 +205,7 @@ class SimulatedWorker:
             if changed:
                 self._stats.heartbeat_early += 1
             elif self.round:
-                self._stats.heartbeat_overheads.append(took - self._interval)
+                self._stats.heartbeat_overheads.append(took - hold)
             self._known_generation = max(self._known_generation, reply.generation)
             self._known_broken = max(self._known_broken, reply.last_broken_round)
             if changed:
@@ -241,7 +248,7 @@ class Simulator:
             message = json.loads(line)
             if message["op"] == "start":
                 worker = SimulatedWorker(message["worker_id"], message["url"], message["secret"],
-                                         message["heartbeat_interval"], self.stats,
+                                         message["heartbeat_interval"], message["world_size"], self.stats,
                                          self._record_assigned, self.first_asks.setdefault)
                 self.workers[worker.worker_id] = worker
                 worker.start()

@@ -259,7 +259,8 @@ def test_signed_request_carries_wall_clock_seconds_a_fresh_nonce_and_never_the_s
     before = int(time.time())
     first = p.sign_request(SECRET, "POST", p.PATH_HEARTBEAT, BODY)
     second = p.sign_request(SECRET, "POST", p.PATH_HEARTBEAT, BODY)
-    assert set(first) == {p.HEADER_TIMESTAMP, p.HEADER_NONCE, p.HEADER_SIGNATURE}
+    assert set(first) == {p.HEADER_PROTOCOL, p.HEADER_TIMESTAMP, p.HEADER_NONCE, p.HEADER_SIGNATURE}
+    assert first[p.HEADER_PROTOCOL] == str(p.PROTOCOL_VERSION)
     assert before <= int(first[p.HEADER_TIMESTAMP]) <= int(time.time())
     assert len(first[p.HEADER_NONCE]) == 32 and first[p.HEADER_NONCE] != second[p.HEADER_NONCE]
     assert first[p.HEADER_SIGNATURE] != second[p.HEADER_SIGNATURE]

@@ -198,8 +198,59 @@ def test_waiting_worker_is_told_to_exit_once_it_must_leave(reg, pool):
     wait_until(reg, lambda: w.state == WorkerState.WAITING)
     with reg.cond:
         w.leave = True
-        reg.wake_all()
+        reg.wake(w)
     assert fut.result(timeout=PROMPT).status == RendezvousStatus.EXIT
+
+
+def test_the_driver_wakes_only_for_the_last_arrival_it_awaits(reg):
+    workers = [add(reg, f"w{i}", local_rank=i) for i in range(3)]
+    with reg.cond:
+        reg.await_arrivals({"w0", "w1"})
+        before = reg.changes
+    reg.rendezvous(RendezvousRequest("w2", 0), timeout=0)  # not awaited
+    reg.rendezvous(RendezvousRequest("w0", 0), timeout=0)
+    assert reg.changes == before  # nothing to decide yet
+    reg.rendezvous(RendezvousRequest("w1", 0), timeout=0)
+    assert reg.changes == before + 1
+    assert all(w.state == WorkerState.WAITING for w in workers)
+
+
+def test_without_awaited_arrivals_every_arrival_wakes_the_driver(reg):
+    add(reg, "w0")
+    add(reg, "w1", local_rank=1)
+    before = reg.changes
+    reg.rendezvous(RendezvousRequest("w0", 0), timeout=0)
+    reg.rendezvous(RendezvousRequest("w1", 0), timeout=0)
+    assert reg.changes == before + 2
+
+
+def test_telling_one_worker_to_leave_wakes_only_its_requests(reg):
+    a, b = add(reg, "a"), add(reg, "b", local_rank=1)
+    woken: list[str] = []
+    with reg.cond:
+        a.wake.subscribe(lambda: woken.append("a"))
+        b.wake.subscribe(lambda: woken.append("b"))
+        a.leave = True
+        reg.wake(a)
+    assert woken == ["a"]
+
+
+def test_a_broken_round_and_a_generation_bump_wake_every_live_worker(reg):
+    a, b, gone = add(reg, "a"), add(reg, "b", local_rank=1), add(reg, "gone", local_rank=2)
+    form(reg, a, b)
+    gone.state = WorkerState.FAILED
+    woken: list[str] = []
+    with reg.cond:
+        for w in (a, b, gone):
+            w.wake.subscribe(lambda w=w: woken.append(w.worker_id))
+        reg.mark_round_broken(1)
+    assert sorted(woken) == ["a", "b"]
+    woken.clear()
+    with reg.cond:
+        for w in (a, b):
+            w.wake.subscribe(lambda w=w: woken.append(w.worker_id))
+        reg.bump_generation()
+    assert sorted(woken) == ["a", "b"]
 
 
 def test_repeated_rendezvous_of_an_assigned_worker_gets_its_assignment_again(reg):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import re
 import secrets
 import socket
 import subprocess
@@ -34,7 +35,8 @@ def sign(path: str, body: bytes = b"", secret: str = SECRET, timestamp: int | No
         return p.sign_request(secret, "POST", path, body)
     nonce = secrets.token_hex(16)
     signature = p.request_signature(secret, "POST", path, timestamp, nonce, body)
-    return {p.HEADER_TIMESTAMP: str(timestamp), p.HEADER_NONCE: nonce, p.HEADER_SIGNATURE: signature}
+    return {p.HEADER_PROTOCOL: str(p.PROTOCOL_VERSION), p.HEADER_TIMESTAMP: str(timestamp), p.HEADER_NONCE: nonce,
+            p.HEADER_SIGNATURE: signature}
 
 
 def signed_by_driver(r: requests.Response) -> bool:
@@ -393,10 +395,12 @@ class FakeDriver:
 
     Records the exact bytes of every request and answers each with
     ``answer(headers, body)`` -> (status, reply body, signature header or None), or None
-    to close the connection without a reply.
+    to close the connection without a reply. Replies say protocol ``version`` (None: none).
     """
 
-    def __init__(self, *answers: Callable[[dict[str, str], bytes], tuple[int, bytes, str | None] | None]) -> None:
+    def __init__(self, *answers: Callable[[dict[str, str], bytes], tuple[int, bytes, str | None] | None],
+                 version: str | None = str(p.PROTOCOL_VERSION)) -> None:
+        self._version = version
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(TIMEOUT)
         self.url = "http://127.0.0.1:%d" % self._sock.getsockname()[1]
@@ -427,6 +431,8 @@ class FakeDriver:
                     continue
                 status, reply, signature = result
                 extra = f"{p.HEADER_SIGNATURE}: {signature}\r\n" if signature is not None else ""
+                if self._version is not None:
+                    extra += f"{p.HEADER_PROTOCOL}: {self._version}\r\n"
                 conn.sendall(
                     f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(reply)}\r\n"
                     f"Connection: close\r\n{extra}\r\n".encode() + reply
@@ -456,6 +462,31 @@ def _ask(driver: FakeDriver) -> None:
 
 def test_client_accepts_a_reply_signed_for_its_request():
     _ask(FakeDriver(_good))  # the control for the tampered replies below
+
+
+@pytest.mark.parametrize("version", [None, "1", "3"])
+def test_client_refuses_a_driver_of_another_protocol_version_saying_so(version):
+    said = "an older protocol (no version)" if version is None else f"protocol version {version}"
+    with pytest.raises(RendezvousError, match=rf"the driver speaks {re.escape(said)} and the worker version "
+                                              rf"{p.PROTOCOL_VERSION}: install the same lightning-elastic version"):
+        _ask(FakeDriver(_good, version=version))
+
+
+@pytest.mark.parametrize("version", [None, "1", "3"])
+def test_driver_refuses_a_worker_of_another_protocol_version_saying_so(server, w, rejected, version):
+    body = p.to_json(heartbeat(w[0]))
+    headers = sign(p.PATH_HEARTBEAT, body)
+    if version is None:
+        del headers[p.HEADER_PROTOCOL]
+    else:
+        headers[p.HEADER_PROTOCOL] = version
+    r = requests.post(server.url + p.PATH_HEARTBEAT, data=body, headers=headers, timeout=TIMEOUT)
+    said = "an older protocol (no version)" if version is None else f"protocol version {version}"
+    assert r.status_code == 400 and r.headers[p.HEADER_PROTOCOL] == str(p.PROTOCOL_VERSION)
+    assert p.decode(p.ErrorReply, r.content).error == (
+        f"the worker speaks {said} and the driver version {p.PROTOCOL_VERSION}: "
+        "install the same lightning-elastic version for the driver and on every host")
+    assert rejected() == 1
 
 
 @pytest.mark.parametrize(

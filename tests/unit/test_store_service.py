@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 from lightning_elastic.launcher.registry import Registry
 from lightning_elastic.launcher.rendezvous_server import RendezvousServer
-from lightning_elastic.launcher.store_service import KeyValueStore
+from lightning_elastic.launcher.long_poll import LongPoll
+from lightning_elastic.launcher.store_service import MAX_KEYS, KeyValueStore
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.driver_store import DriverStore
@@ -100,6 +101,44 @@ def test_compare_set_sets_only_on_the_expected_value():
     assert base64.b64decode(right.value) == b"two"
 
 
+def test_multi_get_answers_every_value_in_order_once_the_last_key_is_written():
+    kv = KeyValueStore()
+    kv.handle(req(p.StoreOp.SET, "b", value=b64(b"2")))
+    replies: list[p.StoreReply] = []
+    waiter = threading.Thread(target=lambda: replies.append(
+        kv.handle(req(p.StoreOp.MULTI_GET, keys=("a", "b", "c"), wait_seconds=5.0))))
+    waiter.start()
+    kv.handle(req(p.StoreOp.SET, "a", value=b64(b"1")))
+    kv.handle(req(p.StoreOp.SET, "c", value=b64(b"3")))
+    waiter.join(5)
+    assert replies and replies[0].found
+    assert [base64.b64decode(v) for v in replies[0].values] == [b"1", b"2", b"3"]
+
+
+def test_multi_get_with_a_key_missing_is_not_found_after_its_wait():
+    kv = KeyValueStore()
+    kv.handle(req(p.StoreOp.SET, "a", value=b64(b"1")))
+    assert kv.handle(req(p.StoreOp.MULTI_GET, keys=("a", "z"), wait_seconds=0.0)) == p.StoreReply(False)
+
+
+def test_multi_get_of_too_many_keys_is_a_protocol_error():
+    keys = tuple(f"k{i}" for i in range(MAX_KEYS + 1))
+    with pytest.raises(p.ProtocolError, match=f"keys: at most {MAX_KEYS} keys, got {MAX_KEYS + 1}"):
+        KeyValueStore().handle(req(p.StoreOp.MULTI_GET, keys=keys))
+
+
+def test_a_write_wakes_only_the_gets_waiting_for_its_key():
+    kv = KeyValueStore()
+    polls = [kv.poll(req(p.StoreOp.GET, key, wait_seconds=5.0)) for key in ("a", "b")]
+    woken: list[str] = []
+    with kv._lock:
+        kv._signal_of_missing(("a",)).subscribe(lambda: woken.append("a"))
+        kv._signal_of_missing(("b",)).subscribe(lambda: woken.append("b"))
+    kv.handle(req(p.StoreOp.SET, "a", value=b64(b"1")))
+    assert woken == ["a"]
+    assert all(isinstance(poll, LongPoll) for poll in polls)
+
+
 # ----- worker side, through the real signed service ----------------------------------
 
 
@@ -125,6 +164,19 @@ def test_driver_store_speaks_torch_store_api(service):
     assert store.num_keys() == 2
     assert store.delete_key("k") and not store.check(["k"])
     store.wait(["n"])
+    store.set("m", b"x")
+    assert store.multi_get(["m", "n"]) == [b"x", b"5"]
+
+
+def test_multi_get_waits_for_a_peer_and_wait_of_a_missing_key_fails_as_a_collective_error(service):
+    late = threading.Timer(0.2, lambda: store_for(service).set("late", b"here"))
+    late.start()
+    try:
+        assert store_for(service).multi_get(["late"]) == [b"here"]
+    finally:
+        late.join(5)
+    with pytest.raises(CollectiveError, match=r"store keys 'late', 'never'... did not appear within 0.3 s"):
+        store_for(service, seconds=0.3).wait(["late", "never"])
 
 
 def test_get_of_a_key_that_never_appears_fails_at_the_store_timeout_as_a_collective_error(service):
