@@ -69,6 +69,10 @@ async def wait_until(predicate: Any, bound: float, driver: asyncio.subprocess.Pr
     return True
 
 
+def busy_seconds(times: Any) -> float:
+    return times.user + times.system
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -121,10 +125,15 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         last_host = f"sim-{(n + SLOTS_PER_HOST - 1) // SLOTS_PER_HOST - 1:04d}"
         victim = next(w for w in sim.workers if w.startswith(f"{last_host}["))
         survivors = n - sum(1 for w in sim.workers if w.startswith(f"{last_host}["))
+        driver_cpu, own_cpu = busy_seconds(proc.cpu_times()), busy_seconds(os.times())
         killed_at = time.monotonic()
         sim.kill(victim)
         reformed = await wait_until(lambda: len(sim.assigned.get(2, {})) == survivors, bound, driver)
         result["reform_s"] = max(a.at for a in sim.assigned[2].values()) - killed_at if reformed else None
+        # Who was busy meanwhile: a simulator near 100 % bounds the figure, not the driver.
+        took = time.monotonic() - killed_at
+        result["reform_driver_cpu"] = (busy_seconds(proc.cpu_times()) - driver_cpu) / took
+        result["reform_simulator_cpu"] = (busy_seconds(os.times()) - own_cpu) / took
         if not reformed:
             result["reform_assigned"] = len(sim.assigned.get(2, {}))
             return result
@@ -167,12 +176,14 @@ def fmt(value: Any, spec: str = ".2f", none: str = "not reached") -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| workers | heartbeat interval | first round | re-formed after a loss | driver CPU, steady | heartbeat overhead p50 / p99 "
+    rows = ["| workers | heartbeat interval | first round | re-formed after a loss | CPU while re-forming, driver / simulator "
+            "| driver CPU, steady | heartbeat overhead p50 / p99 "
             "| driver threads | driver RSS | connection errors | listen overflows | false wedged |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         rows.append(
             f"| {r['workers']} | {r.get('heartbeat_interval') or 'default'} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
+            f"| {fmt(100 * r.get('reform_driver_cpu', 0), '.0f')} / {fmt(100 * r.get('reform_simulator_cpu', 0), '.0f')} % "
             f"| {fmt(100 * r['steady_driver_cpu'], '.0f') + ' %' if 'steady_driver_cpu' in r else '—'} "
             f"| {fmt(r.get('heartbeat_overhead_ms_p50'), '.1f', '—')} / {fmt(r.get('heartbeat_overhead_ms_p99'), '.1f', '—')} ms "
             f"| {r.get('driver_threads', '—')} | {fmt(r.get('driver_rss_mb'), '.0f', '—')} MB "

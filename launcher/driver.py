@@ -119,6 +119,7 @@ class Driver:
         self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
         self._target: list[SlotAssignment] = []
+        self._view: membership.MembershipView | None = None  # this decision pass's snapshot
         self._announced_for: tuple[SlotKey, ...] | None = None
         self._reset_pending_since: float | None = None  # members were asked to re-rendezvous
         self._discovery_seq = 0
@@ -213,9 +214,10 @@ class Driver:
 
         A decision pass looks at every worker (O(N)); at thousands of workers, one per tick
         would cost the driver most of a core. So a pass runs when a request told the
-        driver something (``Registry.changes``), a process exited, discovery changed, the
-        last pass acted, or at the latest every ``decide_every`` seconds (the timers:
-        wedged workers, timeouts, blacklist cooldowns).
+        driver something (``Registry.changes``), a process exited, discovery or a blacklist
+        cooldown changed the hosts, the last pass acted, or every ``decide_every`` seconds
+        while a decision waits on time alone. Wedged workers and the exit timeout are
+        checked every ``decide_every`` seconds in any case.
         """
         reg = self._registry
         decide_every = self._config.timeouts.decide_every
@@ -229,16 +231,29 @@ class Driver:
                 changed = self._take_discovery()
                 changed = bool(self._hosts.tick()) or changed
                 changed = self._reap(now) or changed
-                if changed or reg.changes != seen or now >= next_pass:
+                if changed or reg.changes != seen or (now >= next_pass and self._timers_pending(now)):
                     seen = reg.changes
                     next_pass = now + decide_every
                     verdict = self._decide(now)
                     if verdict is not None:
                         return verdict
+                elif now >= next_pass:
+                    next_pass = now + decide_every
+                    self._kill_wedged(now)  # O(N), but no views built: cheap at any N
+                    self._enforce_exit_timeout(now)
                 reg.cond.wait(self._config.timeouts.tick)
+
+    def _timers_pending(self, now: float) -> bool:
+        """Does a decision depend on time alone now (the elastic timeout while slots are
+        missing, a preempted slot's hold or its end)? Otherwise an unchanged job needs none."""
+        ended = [slot for slot, until in self._held_until.items() if until <= now]
+        for slot in ended:
+            del self._held_until[slot]
+        return self._below_since is not None or bool(self._held_until) or bool(ended)
 
     def _decide(self, now: float) -> policy.Verdict | None:
         reg = self._registry
+        self._invalidate_view()
         self._kill_wedged(now)
         self._enforce_exit_timeout(now)
         verdict = self._verdict(now)
@@ -560,6 +575,16 @@ class Driver:
         return self._config.min_np if self._registry.round is not None else self._config.np
 
     def _membership_view(self) -> membership.MembershipView:
+        """The snapshot this decision pass decides on: built once per pass (it is O(N)),
+        again only after the pass itself changed the job (``_invalidate_view``)."""
+        if self._view is None:
+            self._view = self._build_membership_view()
+        return self._view
+
+    def _invalidate_view(self) -> None:
+        self._view = None
+
+    def _build_membership_view(self) -> membership.MembershipView:
         reg = self._registry
 
         def view_of(record: WorkerRecord) -> membership.WorkerView:
@@ -594,12 +619,14 @@ class Driver:
             if verdict is not None:
                 return verdict
             self._apply(new)
+            self._invalidate_view()
             view = self._membership_view()
         if view.round_broken and self._reset_pending_since is None:
             self._reset_pending_since = self._clock()
         if membership.announcement_due(view):
             generation = self._registry.bump_generation()
             self._announced_for = membership.slots_of(self._target)
+            self._invalidate_view()
             self._reset_pending_since = self._clock()
             log.info("Announced host change to the workers of round %d (generation %d).", view.round_number, generation)
             self._events.host_change_announced(view.round_number, generation)
@@ -627,6 +654,7 @@ class Driver:
         assert self._server is not None
         members = [(reg.workers[worker_id], a) for worker_id, a in chosen]
         info = reg.form_round(members, (self._address, self._server.port))
+        self._invalidate_view()
         self._rounds.append(len(members))
         self._announced_for = None
         self._reset_pending_since = None

@@ -87,8 +87,9 @@ class HostManager:
         now = self._clock()
         before = {h.host: h.slots for h in self._available}
         usable = [h for h in self._discovered if not self._is_blacklisted(h, now)]
+        usable_set = set(usable)  # runs every driver tick: no list scans at hundreds of hosts
         for host in list(self._age):
-            if host not in usable:
+            if host not in usable_set:
                 del self._age[host]  # a host that comes back later is a new, young host
         for host in usable:  # dict order = discovery order among hosts new together
             if host not in self._age:

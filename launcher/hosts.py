@@ -116,19 +116,25 @@ def assign_slots(
             chosen.append((h, local_ranks))
             remaining -= len(local_ranks)
     size = sum(len(taken) for _, taken in chosen)
+    # Hosts having each local rank, in order: one pass, not one per slot (O(N), at any N).
+    cross_size: dict[int, int] = {}
+    cross_rank: dict[tuple[int, int], int] = {}
+    for host_index, (_, taken) in enumerate(chosen):
+        for local_rank in taken:
+            cross_rank[host_index, local_rank] = cross_size.get(local_rank, 0)
+            cross_size[local_rank] = cross_rank[host_index, local_rank] + 1
     result = []
     rank = 0
     for host_index, (h, taken) in enumerate(chosen):
         for local_rank in taken:
-            peers = [i for i, (_, t) in enumerate(chosen) if local_rank in t]
             result.append(
                 SlotAssignment(
                     slot=SlotKey(h.host, local_rank),
                     rank=rank,
                     size=size,
                     local_size=len(taken),
-                    cross_rank=peers.index(host_index),
-                    cross_size=len(peers),
+                    cross_rank=cross_rank[host_index, local_rank],
+                    cross_size=cross_size[local_rank],
                 )
             )
             rank += 1

@@ -116,6 +116,11 @@ class LongPoll(Generic[R]):
             self._finished = True
             self.finish()
 
+    def answer_now(self) -> R | None:
+        """The reply if it is already known (most polls): no future, no task."""
+        with self.lock:
+            return self._try()
+
     def wait(self) -> R:
         """Block this thread until the reply is known."""
         while True:

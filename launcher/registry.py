@@ -64,7 +64,9 @@ class WorkerState(str, Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (WorkerState.DONE, WorkerState.REMOVED, WorkerState.FAILED)
+        # Identity, not ``in (...)``: an Enum's __eq__/__hash__ are Python-level, and the
+        # driver asks this of every worker several times per decision.
+        return self is WorkerState.DONE or self is WorkerState.REMOVED or self is WorkerState.FAILED
 
 
 class UnknownWorker(LookupError):
@@ -354,8 +356,8 @@ class Registry:
             record.asking_round = request.round
             self._asking.add(record.worker_id)
             record.last_heartbeat = self._clock()
-            self.note_change()
-            self._fire_askers()  # the other askers: are all members asking now?
+            if self._all_members_asking(request.round):
+                self._fire_askers()  # the others' answer changed: the same error everywhere
             current = self.round.number if self.round is not None else 0
             if request.collective and request.round == current:
                 self.mark_round_broken(
@@ -405,8 +407,10 @@ class Registry:
     def _all_members_asking(self, number: int) -> bool:
         if self.round is None or self.round.number != number:
             return False
-        members = [self.workers[w] for w in self.round.members]
-        return all(m.asking_round == number for m in members if not m.state.finished)
+        # A generator: stops at the first member not asking, so asking it as each of
+        # thousands of members arrives costs about N log N in all, not N squared.
+        workers = self.workers
+        return all(m.asking_round == number for m in (workers[w] for w in self.round.members) if not m.state.finished)
 
     def report(self, report: Report) -> None:
         with self.cond:

@@ -188,7 +188,10 @@ class RendezvousServer:
         except UnknownWorker as err:
             return self._reject(request, HTTPStatus.CONFLICT, str(err), auth.nonce)
         if isinstance(reply, LongPoll):
-            return self._await(reply, auth.nonce)
+            known = reply.answer_now()
+            if known is None:
+                return self._await(reply, auth.nonce)
+            reply = known
         return self._response(HTTPStatus.OK, reply, auth.nonce)
 
     async def _await(self, poll: LongPoll[Any], nonce: str) -> HttpResponse:

@@ -3,9 +3,10 @@
 Each worker does what ``ElasticWorker`` does, minus torch: its main connection asks the
 rendezvous for a round (``after_round`` = the last one it was in), and a second connection
 sends heartbeats as long polls of one interval (the generation and the broken round it
-knows, as the real heartbeat thread). When a heartbeat shows its round broken, it asks
-``round-lost`` (a collective error, as the real worker after its collective failed) and
-goes back to the rendezvous; a new generation (a host change) sends it straight back.
+knows, as the real heartbeat thread). When a heartbeat shows its round broken, it goes
+back to the rendezvous (the real worker's collective is unblocked then, and it does not
+ask ``round-lost`` about a round it knows is broken); so does a new generation (a host
+change).
 Requests are signed and replies checked with the job secret, as ``DriverClient`` does,
 over a minimal HTTP/1.1 keep-alive client (no dependency, little CPU per request).
 
@@ -178,11 +179,9 @@ class SimulatedWorker:
             self._known_generation = max(self._known_generation, a.generation)
             self._on_assigned(Assigned(self.worker_id, a.round, a.rank, time.monotonic()))
             await self._wait_for_change()
-            if self._known_broken >= self.round:
-                # Its collective failed: a lost peer? (the real worker waits up to 5 s for the answer)
-                await self._post(self._main, p.PATH_ROUND_LOST,
-                                 p.RoundLostRequest(self.worker_id, self.round, 5.0, collective=True),
-                                 p.RoundLostReply, timeout=35)
+            # Back to the rendezvous. Its heartbeat said the round broke (its collective was
+            # unblocked by that): like ElasticWorker.classify_error, it does not ask
+            # round-lost about a round it already knows is broken.
 
     async def _wait_for_change(self) -> None:
         while not (self._known_broken >= self.round or self._known_generation > self._generation_at_round):
