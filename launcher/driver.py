@@ -279,14 +279,16 @@ class Driver:
         }
 
     def _take_discovery(self) -> bool:
-        """Apply discovery's newest result; True when it brought something new."""
+        """Apply discovery's newest result; True when the hosts or its error changed (a
+        poll that found the same hosts, every few seconds, needs no decision)."""
         latest = self._discovery.latest()
         if latest is None or latest.sequence == self._discovery_seq:
             return False
         self._discovery_seq = latest.sequence
+        error_changed = latest.error != self._discovery_error
         self._discovery_error = latest.error
         if latest.hosts is None:
-            return True
+            return error_changed
         usable = [h for h in latest.hosts if self._reachable(h.host)]
         change = self._hosts.update(usable)
         if change:
@@ -295,7 +297,7 @@ class Driver:
                 list(change.added), list(change.removed), list(change.resized),
             )
             self._events.emit("hosts_changed", added=list(change.added), removed=list(change.removed))
-        return True
+        return bool(change) or error_changed
 
     def _reachable(self, host: str) -> bool:
         """A remote host cannot reach services bound to loopback: refuse it, say how to fix it."""

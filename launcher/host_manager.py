@@ -41,6 +41,7 @@ class HostManager:
         self._age: dict[str, int] = {}  # host -> order it became available in
         self._next_age = 0
         self._blacklist: dict[str, _Blacklisting] = {}
+        self._cooling: dict[str, float] = {}  # blacklisted host -> end of its cooldown, until tick sees it
         self._available: list[HostSlots] = []
 
     def update(self, discovered: list[HostSlots]) -> HostChange:
@@ -59,11 +60,20 @@ class HostManager:
             # stays out longer each time, but never longer than MAX.
             delay = min(high, low * 2 ** (count - 1))
         self._blacklist[host] = _Blacklisting(count, None if delay is None else self._clock() + delay)
+        if delay is not None:
+            self._cooling[host] = self._clock() + delay
         self._refresh()
         return delay
 
     def tick(self) -> HostChange:
-        """Let hosts whose cooldown has passed come back."""
+        """Let hosts whose cooldown has passed come back (called every driver tick: only
+        does the O(hosts) refresh when a cooldown has ended since the last one)."""
+        now = self._clock()
+        ended = [host for host, entry in self._cooling.items() if entry <= now]
+        if not ended:
+            return HostChange()
+        for host in ended:
+            del self._cooling[host]
         return self._refresh()
 
     def available(self) -> list[HostSlots]:

@@ -40,6 +40,14 @@ def first_request_spread(world_size: int, rng: random.Random = random._inst) -> 
     return rng.uniform(0.0, max(0, world_size) / FIRST_REQUEST_SPREAD_RATE)
 
 
+def heartbeat_hold(interval: float, first: bool, rng: random.Random = random._inst) -> float:  # type: ignore[attr-defined]
+    """How long a heartbeat long poll is held: a random part of the interval for the first
+    (the fleet's heartbeats start spread over a whole interval, not in one wave), then 75
+    to 100 % of it, so that polls all answered at once on a change drift apart again."""
+    low = 0.0 if first else 1.0 - HEARTBEAT_HOLD_JITTER
+    return interval * rng.uniform(low, 1.0)
+
+
 def driver_is_busy(err: requests.RequestException) -> bool:
     """Did the driver accept the request and not answer in time (busy, not gone)?
 

@@ -11,7 +11,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import random
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
-from lightning_elastic.client import HEARTBEAT_HOLD_JITTER, DriverClient, first_request_spread
+from lightning_elastic.client import DriverClient, first_request_spread, heartbeat_hold
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
@@ -465,14 +464,15 @@ class ElasticWorker:
         assert self._client is not None and self.settings is not None
         last_ok = time.monotonic()
         interval = self.settings.heartbeat_interval
+        first = True
         while not self._heartbeat_stop.is_set():
             try:
                 with self._lock:
                     known, known_broken = self._seen_generation, self._last_broken_round
-                # Each long poll is held a little less than the interval, by a random
-                # amount: the fleet's heartbeats, all answered at once on a change, drift
-                # apart again instead of reaching the driver in waves.
-                hold = interval * random.uniform(1.0 - HEARTBEAT_HOLD_JITTER, 1.0)
+                # Held for a random part of the interval: a fleet's heartbeats must not
+                # reach the driver in waves (see heartbeat_hold).
+                hold = heartbeat_hold(interval, first)
+                first = False
                 reply = self._client.heartbeat(known, known_broken, hold, self._stepped)
             except RendezvousError as err:
                 if "(409)" in str(err):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import random
 import signal
 import time
 import urllib.parse
@@ -27,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_elastic import protocol as p
-from lightning_elastic.client import HEARTBEAT_HOLD_JITTER, RETRY_FOR, backoff, first_request_spread
+from lightning_elastic.client import RETRY_FOR, backoff, first_request_spread, heartbeat_hold
 
 
 
@@ -92,7 +91,8 @@ class Stats:
     connections: int = 0
     connection_errors: int = 0
     requests: int = 0
-    heartbeat_overheads: list[float] = dataclasses.field(default_factory=list)  # reply - (sent + wait), s
+    # (sent at, reply - (sent + hold)) in seconds, for long polls answered at their end
+    heartbeat_overheads: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     heartbeat_early: int = 0  # long polls answered early (a change)
     disowned: int = 0  # requests answered 409: the driver had declared the worker gone
     error_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # "path ErrorType" -> count
@@ -189,9 +189,10 @@ class SimulatedWorker:
             await self._changed.wait()
 
     async def _heartbeat_loop(self) -> None:
+        first = True
         while True:
             sent = time.monotonic()
-            hold = self._interval * random.uniform(1.0 - HEARTBEAT_HOLD_JITTER, 1.0)  # as ElasticWorker
+            hold, first = heartbeat_hold(self._interval, first), False  # as ElasticWorker
             request = p.HeartbeatRequest(self.worker_id, self._known_generation, self._known_broken, hold)
             try:
                 reply = await self._post(self._beat, p.PATH_HEARTBEAT, request, p.HeartbeatReply,
@@ -204,7 +205,7 @@ class SimulatedWorker:
             if changed:
                 self._stats.heartbeat_early += 1
             elif self.round:
-                self._stats.heartbeat_overheads.append(took - hold)
+                self._stats.heartbeat_overheads.append((sent, took - hold))
             self._known_generation = max(self._known_generation, reply.generation)
             self._known_broken = max(self._known_broken, reply.last_broken_round)
             if changed:

@@ -20,6 +20,7 @@ from lightning_elastic.client import (
     backoff,
     driver_is_busy,
     first_request_spread,
+    heartbeat_hold,
 )
 from lightning_elastic.errors import RendezvousError
 
@@ -98,3 +99,11 @@ def test_a_fleet_spreads_its_first_requests_in_proportion_to_its_size():
     assert max(first_request_spread(4096, rng) for _ in range(1000)) > 0.2
     assert max(first_request_spread(8, rng) for _ in range(1000)) <= 8 / 16384
     assert first_request_spread(0, rng) == 0.0
+
+
+def test_the_first_heartbeat_hold_spans_the_interval_and_later_ones_its_last_quarter():
+    rng = random.Random(0)
+    first = [heartbeat_hold(2.0, True, rng) for _ in range(1000)]
+    later = [heartbeat_hold(2.0, False, rng) for _ in range(1000)]
+    assert 0 <= min(first) < 0.1 and 1.9 < max(first) <= 2.0
+    assert 1.5 <= min(later) < 1.6 and 1.9 < max(later) <= 2.0
