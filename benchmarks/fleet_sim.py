@@ -90,7 +90,22 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: float | None) -> dict[str, Any]:
+async def store_phase(sim: Simulator, proc: psutil.Process, pattern: str, n: int, bound: float) -> dict[str, Any]:
+    """Every member of round 1 forms a process group's bootstrap through the store at once:
+    time until the last has what it needs, requests sent, and the driver's CPU meanwhile."""
+    ranks = {w: a.rank for w, a in sim.assigned[1].items()}
+    cpu_before, started = busy_seconds(proc.cpu_times()), time.monotonic()
+    tasks = [sim.workers[w].store_bootstrap(pattern, rank, n, f"bootstrap/{pattern}") for w, rank in ranks.items()]
+    try:
+        sent = await asyncio.wait_for(asyncio.gather(*tasks), bound)
+    except asyncio.TimeoutError:
+        return {"seconds": None, "bound": bound}
+    took = time.monotonic() - started
+    return {"seconds": took, "requests": sum(sent), "driver_cpu": (busy_seconds(proc.cpu_times()) - cpu_before) / took}
+
+
+async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: float | None,
+                  store_patterns: tuple[str, ...] = (), gloo_max: int = 0) -> dict[str, Any]:
     sim = Simulator()
     control = workdir / f"control-{n}.sock"
     server = await sim.serve(str(control))
@@ -114,6 +129,11 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
             result["first_round_s"] = None
             result["first_round_assigned"] = len(sim.assigned.get(1, {}))
             return result
+        # Process-group bootstrap through the driver's store, every worker at once.
+        for pattern in store_patterns:
+            if pattern == "gloo" and n > gloo_max:
+                continue
+            result[f"store_{pattern}"] = await store_phase(sim, proc, pattern, n, bound)
         # Steady heartbeats.
         sim.stats.heartbeat_overheads.clear()
         lags: list[float] = []
@@ -155,6 +175,9 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         if not reformed:
             result["reform_assigned"] = len(sim.assigned.get(2, {}))
             return result
+        # Connection errors up to here: the end tears the service down under requests still
+        # in flight, which is no fault of the service's.
+        result["connection_errors_before_end"] = sim.stats.connection_errors
         # The end: every survivor reports that training returned, and exits (all at once).
         async def finish(worker: Any) -> None:
             try:
@@ -196,7 +219,7 @@ def fmt(value: Any, spec: str = ".2f", none: str = "not reached") -> str:
 def table(results: list[dict[str, Any]]) -> str:
     rows = ["| workers | heartbeat interval | first round | re-formed after a loss | CPU while re-forming, driver / simulator "
             "| driver CPU, steady | heartbeat overhead p50 / p99 "
-            "| driver threads | driver RSS | connection errors | listen overflows | false wedged |",
+            "| driver threads | driver RSS | connection errors (before the end) | listen overflows | false wedged |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         rows.append(
@@ -205,7 +228,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {fmt(100 * r['steady_driver_cpu'], '.0f') + ' %' if 'steady_driver_cpu' in r else '—'} "
             f"| {fmt(r.get('heartbeat_overhead_ms_p50'), '.1f', '—')} / {fmt(r.get('heartbeat_overhead_ms_p99'), '.1f', '—')} ms "
             f"| {r.get('driver_threads', '—')} | {fmt(r.get('driver_rss_mb'), '.0f', '—')} MB "
-            f"| {r['connection_errors']} | {r['listen_overflows']} | {r['false_wedged']} |"
+            f"| {r.get('connection_errors_before_end', r['connection_errors'])} | {r['listen_overflows']} | {r['false_wedged']} |"
         )
     return "\n".join(rows)
 
@@ -219,7 +242,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         for n in args.workers:
             for interval in args.heartbeat_intervals:
                 print(f"N = {n}, heartbeat interval {interval or 'default'} ...", file=sys.stderr, flush=True)
-                results.append(await run_one(n, args.steady, args.bound, workdir, interval))
+                results.append(await run_one(n, args.steady, args.bound, workdir, interval,
+                                             args.store_patterns, args.gloo_max))
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
     return results
 
@@ -250,6 +274,12 @@ def main() -> None:
                         help="run each N with each heartbeat interval ('default': the driver's choice)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--log-dir", type=Path, help="keep the driver's logs (driver-N.log) here")
+    parser.add_argument("--store-patterns", default=("nccl", "nccl-scalable"), metavar="P,P...",
+                        type=lambda s: tuple(x for x in s.split(",") if x),
+                        help="process-group bootstraps to run through the store after round 1 "
+                             "(nccl, nccl-scalable, gloo; '' for none)")
+    parser.add_argument("--gloo-max", type=int, default=256,
+                        help="run the gloo bootstrap only up to this many workers (it is quadratic)")
     parser.add_argument("--somaxconn", type=int,
                         help="raise the kernel's listen-queue cap (net.core.somaxconn, root) for the run")
     args = parser.parse_args()

@@ -17,8 +17,10 @@ fleet whose processes start together: the worst case for the service.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
+import os
 import signal
 import time
 import urllib.parse
@@ -119,6 +121,7 @@ class SimulatedWorker:
         self._stats = stats
         self._main = Connection(parsed.hostname, parsed.port, stats)
         self._beat = Connection(parsed.hostname, parsed.port, stats)
+        self._store = Connection(parsed.hostname, parsed.port, stats)  # DriverStore's own client
         self._on_assigned = on_assigned
         self._on_first_ask = on_first_ask
         self.round = 0
@@ -211,6 +214,55 @@ class SimulatedWorker:
             if changed:
                 self._changed.set()
 
+    async def store_bootstrap(self, pattern: str, rank: int, size: int, prefix: str) -> int:
+        """The store traffic of forming one process group, as torch makes it (through
+        ``DriverStore``); returns the requests sent. Patterns (see docs/performance.md):
+
+        - ``nccl``: rank 0 publishes the 128-byte unique id, every other rank reads it;
+        - ``nccl-scalable`` (NCCL >= 2.23 beyond 128 ranks): one id per 128 ranks, published
+          by each 128th rank, read by every rank in one MULTI_GET;
+        - ``gloo``: every rank publishes its address (154 + 8N bytes), then waits for and
+          reads every rank's, one key at a time (gloo's full mesh: 2N + 1 operations).
+        """
+        sent = 0
+
+        async def op(request: p.StoreRequest) -> p.StoreReply:
+            nonlocal sent
+            while True:
+                sent += 1
+                reply = await self._post(self._store, p.PATH_STORE, request, p.StoreReply, timeout=35)
+                if reply.found or request.op not in (p.StoreOp.GET, p.StoreOp.MULTI_GET):
+                    return reply
+
+        def put(key: str, size_bytes: int) -> p.StoreRequest:
+            value = base64.b64encode(os.urandom(size_bytes)).decode()
+            return p.StoreRequest(self.worker_id, p.StoreOp.SET, f"{prefix}/{key}", value=value)
+
+        def get(*keys: str) -> p.StoreRequest:
+            full = tuple(f"{prefix}/{k}" for k in keys)
+            if len(full) == 1:
+                return p.StoreRequest(self.worker_id, p.StoreOp.GET, full[0], wait_seconds=2.0)
+            return p.StoreRequest(self.worker_id, p.StoreOp.MULTI_GET, keys=full, wait_seconds=2.0)
+
+        if pattern == "nccl":
+            if rank == 0:
+                await op(put("0", 128))
+            else:
+                await op(get("0"))
+        elif pattern == "nccl-scalable":
+            roots = (size + 127) // 128
+            if rank % 128 == 0:
+                await op(put(f"UniqueNCCLID:{rank // 128}", 128))
+            await op(get(*(f"UniqueNCCLID:{i}" for i in range(roots))))
+        elif pattern == "gloo":
+            await op(put(str(rank), 154 + 8 * size))
+            for peer in range(size):
+                await op(get(str(peer)))  # torch's wait on the key (one DriverStore request)
+                await op(get(str(peer)))  # then its get
+        else:
+            raise ValueError(f"unknown store pattern {pattern!r}")
+        return sent
+
     async def report_done(self) -> None:
         await self._post(self._main, p.PATH_REPORT, p.Report(self.worker_id, self.round, p.Outcome.DONE), p.Ack,
                          timeout=30)
@@ -222,6 +274,7 @@ class SimulatedWorker:
                 task.cancel()
         self._main.close()
         self._beat.close()
+        self._store.close()
         self.exit_status = status
         self.finished.set()
 

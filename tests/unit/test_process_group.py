@@ -277,3 +277,12 @@ def test_a_peer_dying_after_publishing_its_address_fails_the_formation_within_th
     for out in raised:
         assert out.startswith("raised after"), survivors
         assert float(out.split()[2]) < 30, survivors  # 5 x the 1 s bound, with room for a loaded machine
+
+
+def test_a_large_gloo_world_is_told_that_its_bootstrap_is_quadratic():
+    from lightning_elastic.process_group import GLOO_LARGE_WORLD, gloo_scale_warning
+
+    assert gloo_scale_warning("gloo", GLOO_LARGE_WORLD) is None
+    assert gloo_scale_warning("nccl", 4096) is None
+    warning = gloo_scale_warning("gloo", 4096)
+    assert warning is not None and "33,558,528 store operations" in warning and "use NCCL" in warning
