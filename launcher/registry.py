@@ -128,9 +128,9 @@ class Registry:
         # by what the driver acts on; requests wait on their worker's own signal.
         self._lock = threading.RLock()
         self.cond = threading.Condition(self._lock)
-        # Worker ids whose arrival at the rendezvous the driver awaits (see await_arrivals);
-        # None: every arrival wakes the driver.
-        self._awaited: set[str] | None = None
+        # Groups of worker ids whose arrival at the rendezvous the driver awaits (see
+        # await_arrivals); None: every arrival wakes the driver.
+        self._awaited: list[set[str]] | None = None
         self._asking: set[str] = set()  # workers with a round-lost request pending
         # Bumped whenever the driver is notified of a request: the driver re-plans only
         # when it moved (or a timer is due), not on every tick.
@@ -168,14 +168,12 @@ class Registry:
             record.wake.fire()
         self.cond.notify_all()
 
-    def await_arrivals(self, worker_ids: set[str] | None) -> None:
-        """Wake the driver on an arrival only once all of ``worker_ids`` have arrived.
-
-        The driver acts on arrivals only when a whole target world waits (a round to form,
-        joiners ready to be announced); at thousands of workers, a pass per arrival would
-        cost it N passes of O(N) each. None: wake it on every arrival.
-        """
-        self._awaited = worker_ids
+    def await_arrivals(self, *groups: set[str]) -> None:
+        """Wake the driver on an arrival only once every worker of one of ``groups`` has
+        arrived (the whole target world: a round to form; the joiners: a change to
+        announce). At thousands of workers, a decision per arrival would cost the driver
+        N decisions of O(N) each. No groups: wake it on every arrival."""
+        self._awaited = [set(g) for g in groups if g] if groups else None
 
     def note_change(self) -> None:
         """Something the driver must decide on happened: wake its loop for a decision pass."""
@@ -289,13 +287,14 @@ class Registry:
             record.waiting_since = now
         record.arrived_after_round = after_round
         record.state = WorkerState.WAITING if not record.leave else record.state
-        awaited = self._awaited
-        if awaited is None:
+        if self._awaited is None:
             self.note_change()
-        elif record.worker_id in awaited:
-            awaited.discard(record.worker_id)
-            if not awaited:
-                self.note_change()  # the last arrival the driver waited for
+            return
+        for group in self._awaited:
+            if record.worker_id in group:
+                group.discard(record.worker_id)
+                if not group:
+                    self.note_change()  # the last arrival of a group the driver waited for
 
     def _note_left_round(self, record: WorkerRecord, after_round: int) -> None:
         """A member back at the rendezvous with no change announced has left its round.

@@ -215,6 +215,19 @@ def test_the_driver_wakes_only_for_the_last_arrival_it_awaits(reg):
     assert all(w.state == WorkerState.WAITING for w in workers)
 
 
+def test_the_driver_wakes_when_either_awaited_group_has_arrived(reg):
+    # The whole target world (a round to form) and its joiners (a change to announce).
+    for i, worker_id in enumerate(("member", "joiner")):
+        add(reg, worker_id, local_rank=i)
+    with reg.cond:
+        reg.await_arrivals({"member", "joiner"}, {"joiner"})
+        before = reg.changes
+    reg.rendezvous(RendezvousRequest("joiner", 0), timeout=0)
+    assert reg.changes == before + 1  # every joiner waits: the driver may announce
+    reg.rendezvous(RendezvousRequest("member", 0), timeout=0)
+    assert reg.changes == before + 2  # the whole world waits: the driver may form a round
+
+
 def test_without_awaited_arrivals_every_arrival_wakes_the_driver(reg):
     add(reg, "w0")
     add(reg, "w1", local_rank=1)
