@@ -163,7 +163,12 @@ class HttpConnection(asyncio.Protocol):
     def _answer_queue(self) -> None:
         """Answer queued requests in order; a long poll continues in a task."""
         while self._queue and not self._closing:
-            result = self._handler(self._queue.popleft())
+            request = self._queue.popleft()
+            try:
+                result = self._handler(request)
+            except Exception:  # a bug of ours: said, and this connection closed, not the service
+                log.exception("The rendezvous service failed on %s from %s.", request.path, request.peer)
+                return self._refuse_and_close(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error")
             if isinstance(result, HttpResponse):
                 self._send(result)
                 continue
@@ -175,6 +180,10 @@ class HttpConnection(asyncio.Protocol):
             response = await pending
         except asyncio.CancelledError:
             return
+        except Exception:
+            log.exception("The rendezvous service failed while a request waited.")
+            self._task = None
+            return self._refuse_and_close(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error")
         self._task = None
         if not self._closing:
             self._send(response)

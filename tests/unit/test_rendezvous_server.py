@@ -10,6 +10,7 @@ import secrets
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -743,3 +744,48 @@ def test_the_server_listens_with_the_queue_it_was_given():
         assert listening[2] == str(min(3000, cap)), listening
     finally:
         srv.close()
+
+
+def test_a_failure_of_the_service_itself_is_a_500_on_that_connection_only(server, w, monkeypatch, caplog):
+    def broken(report: p.Report) -> p.Ack:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setitem(server._routes, p.PATH_REPORT, (p.Report, broken))
+    with caplog.at_level("ERROR"):
+        r = post(server, p.PATH_REPORT, p.Report(w[0], 1, p.Outcome.DONE))
+    assert r.status_code == 500 and r.headers["Connection"] == "close"
+    assert "RuntimeError: a bug" in caplog.text
+    assert post(server, p.PATH_HEARTBEAT, heartbeat(w[0])).status_code == 200  # the service goes on
+
+
+def test_pending_long_polls_hold_no_server_thread_each(registry, server):
+    ids = [f"lp{next(_ids)}" for _ in range(50)]
+    with registry.cond:
+        for i, worker_id in enumerate(ids):
+            registry.add_worker(worker_id, SlotKey("10.0.0.1", i))
+        known = (registry.generation, max(registry.broken_rounds, default=0))  # so that the polls wait
+    threads_before = threading.active_count()
+    sessions = [requests.Session() for _ in range(50)]
+    results: list[int] = []
+
+    def long_poll(i: int) -> None:
+        body = p.to_json(p.HeartbeatRequest(ids[i], known[0], known[1], wait_seconds=5.0))
+        r = sessions[i % 50].post(server.url + p.PATH_HEARTBEAT, data=body, headers=sign(p.PATH_HEARTBEAT, body),
+                                  timeout=TIMEOUT)
+        results.append(r.status_code)
+
+    # 50 client threads, each waiting on one long poll at a time: the server side holds them
+    # all on its one loop thread.
+    pollers = [threading.Thread(target=long_poll, args=(i,)) for i in range(50)]
+    for t in pollers:
+        t.start()
+    deadline = time.monotonic() + TIMEOUT
+    while sum(registry.workers[i].wake.waiting for i in ids) < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sum(registry.workers[i].wake.waiting for i in ids) == 50, "the polls did not all wait"
+    assert threading.active_count() - threads_before <= 50  # the clients' only: no server thread per poll
+    with registry.cond:
+        registry.bump_generation()  # answers every pending poll at once
+    for t in pollers:
+        t.join(TIMEOUT)
+    assert results == [200] * 50
