@@ -213,7 +213,11 @@ class Registry:
         return True
 
     def current_member(self, record: WorkerRecord) -> bool:
-        return self.round is not None and record.worker_id in self.round.members and record.state == WorkerState.MEMBER
+        # By its assignment, not ``in self.round.members``: a scan of the members on every
+        # arrival made re-forming thousands of workers quadratic.
+        a = record.assignment
+        return (self.round is not None and record.state == WorkerState.MEMBER and a is not None
+                and a.round == self.round.number)
 
     def form_round(
         self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]
