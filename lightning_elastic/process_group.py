@@ -84,7 +84,7 @@ GLOO_CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
 
 # Beyond this many ranks, say once that gloo's bootstrap is quadratic in the store: each
 # rank reads every rank's address (2N + 1 store operations of 154 + 8N bytes each), which
-# the fleet simulation measured at 0.8 s for 64 ranks and 12 s for 256 (131k requests);
+# the fleet simulation measured 0.6-0.9 s for 64 ranks and 9-12 s for 256 (131k requests);
 # 4,096 would need 34 million. NCCL's bootstrap is one or two requests per rank.
 GLOO_LARGE_WORLD = 256
 
