@@ -385,7 +385,8 @@ class Driver:
         self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
 
     def _reap(self, now: float) -> bool:
-        """Record the workers that exited; True if any did (or a stop deadline passed)."""
+        """Record the workers that exited (and SIGKILL those past their stop deadline);
+        True if any exited."""
         reg = self._registry
         reaped = False
         for record in reg.live_workers():
@@ -644,6 +645,7 @@ class Driver:
         for worker_id in new.leave:
             reg.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
             reg.wake(reg.workers[worker_id])
+        reg.note_change()  # decide again next tick, on the world just planned
         for a in new.spawn:
             self._spawn(a)
 

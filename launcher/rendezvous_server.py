@@ -62,7 +62,8 @@ def listen_queue_for(workers: int) -> int:
 
 _VERSION = str(p.PROTOCOL_VERSION)
 
-# Requests whose answer may wait for the driver (long polls); the rest answer at once.
+# A path's message class and its handler, which gives the reply, or a LongPoll when the
+# answer may have to wait for the driver.
 Route = tuple[type, Callable[[Any], Any]]
 
 
@@ -154,7 +155,8 @@ class RendezvousServer:
     def close(self) -> None:
         if self._loop is None or self._thread is None:
             return
-        if self._loop.is_running():
+        if not self._loop.is_closed():
+            # Also right after start(): a stop queued before run_forever begins ends it at once.
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 

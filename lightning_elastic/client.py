@@ -28,24 +28,25 @@ BACKOFF_CAP = 2.0
 # (0.25 s at 4,096 workers, under a millisecond at 8).
 FIRST_REQUEST_SPREAD_RATE = 16384.0
 HEARTBEAT_HOLD_JITTER = 0.25  # a heartbeat long poll is held for 75-100 % of the interval
+_RANDOM = random.Random()  # this process's own: seeded from the OS, as every worker's must differ
 
 
-def backoff(attempt: int, rng: random.Random = random._inst) -> float:  # type: ignore[attr-defined]
+def backoff(attempt: int, rng: random.Random | None = None) -> float:
     """Seconds to wait before retry number ``attempt`` (0 for the first retry)."""
-    return rng.uniform(0.0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
+    return (rng or _RANDOM).uniform(0.0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
 
 
-def first_request_spread(world_size: int, rng: random.Random = random._inst) -> float:  # type: ignore[attr-defined]
+def first_request_spread(world_size: int, rng: random.Random | None = None) -> float:
     """Seconds a worker waits before its first request, so that a fleet does not arrive at once."""
-    return rng.uniform(0.0, max(0, world_size) / FIRST_REQUEST_SPREAD_RATE)
+    return (rng or _RANDOM).uniform(0.0, max(0, world_size) / FIRST_REQUEST_SPREAD_RATE)
 
 
-def heartbeat_hold(interval: float, first: bool, rng: random.Random = random._inst) -> float:  # type: ignore[attr-defined]
+def heartbeat_hold(interval: float, first: bool, rng: random.Random | None = None) -> float:
     """How long a heartbeat long poll is held: a random part of the interval for the first
     (the fleet's heartbeats start spread over a whole interval, not in one wave), then 75
     to 100 % of it, so that polls all answered at once on a change drift apart again."""
     low = 0.0 if first else 1.0 - HEARTBEAT_HOLD_JITTER
-    return interval * rng.uniform(low, 1.0)
+    return interval * (rng or _RANDOM).uniform(low, 1.0)
 
 
 def driver_is_busy(err: requests.RequestException) -> bool:
