@@ -263,23 +263,8 @@ class Driver:
             verdict = self._maybe_form_round()
         self._events.observe(reg.breaks, reg.first_steps, reg.round.number if reg.round else 0)
         if verdict is None:
-            reg.await_arrivals(*self._awaited_arrivals())
+            reg.await_arrivals(*membership.awaited_arrivals(self._membership_view()))
         return verdict
-
-    def _awaited_arrivals(self) -> tuple[set[str], set[str]]:
-        """The target's workers not yet waiting at the rendezvous, and the joiners among
-        them: the driver has nothing to decide on an arrival until the last of either has
-        arrived (a round to form; joiners ready, a change to announce)."""
-        reg = self._registry
-        number = reg.round.number if reg.round else 0
-        members = set(reg.round.members) if reg.round else set()
-        by_slot = {r.slot: r for r in reg.live_workers() if not r.leave}
-        pending = {
-            record.worker_id for a in self._target
-            if (record := by_slot.get(a.slot)) is not None
-            and (record.state != WorkerState.WAITING or record.arrived_after_round not in (number, 0))
-        }
-        return pending, {w for w in pending if w not in members}
 
     def _take_discovery(self) -> bool:
         """Apply discovery's newest result; True when the hosts or its error changed (a

@@ -41,7 +41,7 @@ class HostManager:
         self._age: dict[str, int] = {}  # host -> order it became available in
         self._next_age = 0
         self._blacklist: dict[str, _Blacklisting] = {}
-        self._cooling: dict[str, float] = {}  # blacklisted host -> end of its cooldown, until tick sees it
+        self._refreshed_at = float("-inf")  # when the available hosts were last computed
         self._available: list[HostSlots] = []
 
     def update(self, discovered: list[HostSlots]) -> HostChange:
@@ -60,8 +60,6 @@ class HostManager:
             # stays out longer each time, but never longer than MAX.
             delay = min(high, low * 2 ** (count - 1))
         self._blacklist[host] = _Blacklisting(count, None if delay is None else self._clock() + delay)
-        if delay is not None:
-            self._cooling[host] = self._clock() + delay
         self._refresh()
         return delay
 
@@ -69,12 +67,9 @@ class HostManager:
         """Let hosts whose cooldown has passed come back (called every driver tick: only
         does the O(hosts) refresh when a cooldown has ended since the last one)."""
         now = self._clock()
-        ended = [host for host, entry in self._cooling.items() if entry <= now]
-        if not ended:
-            return HostChange()
-        for host in ended:
-            del self._cooling[host]
-        return self._refresh()
+        if any(e.until is not None and self._refreshed_at < e.until <= now for e in self._blacklist.values()):
+            return self._refresh()
+        return HostChange()
 
     def available(self) -> list[HostSlots]:
         return list(self._available)
@@ -95,9 +90,10 @@ class HostManager:
 
     def _refresh(self) -> HostChange:
         now = self._clock()
+        self._refreshed_at = now
         before = {h.host: h.slots for h in self._available}
         usable = [h for h in self._discovered if not self._is_blacklisted(h, now)]
-        usable_set = set(usable)  # runs every driver tick: no list scans at hundreds of hosts
+        usable_set = set(usable)  # no list scans: hundreds of hosts
         for host in list(self._age):
             if host not in usable_set:
                 del self._age[host]  # a host that comes back later is a new, young host

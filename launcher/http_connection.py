@@ -68,6 +68,7 @@ class HttpConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None  # answering the queue's requests
         self._closing = False
         # The request being parsed.
+        self._method = ""
         self._url = b""
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
@@ -115,9 +116,9 @@ class HttpConnection(asyncio.Protocol):
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        method = self._parser.get_method().decode("latin-1")
-        if method != "POST":
-            return self._fail(HTTPStatus.NOT_IMPLEMENTED, f"unsupported method {method}")
+        self._method = self._parser.get_method().decode("latin-1")
+        if self._method != "POST":
+            return self._fail(HTTPStatus.NOT_IMPLEMENTED, f"unsupported method {self._method}")
         if self._body_length() is None:
             self._fail(HTTPStatus.BAD_REQUEST, f"Content-Length must be 0..{self._max_body}")
 
@@ -131,8 +132,7 @@ class HttpConnection(asyncio.Protocol):
         if self._closing:
             return
         self._queue.append(HttpRequest(
-            self._parser.get_method().decode("latin-1"), self._url.decode("latin-1"), self._headers,
-            b"".join(self._body), self._peer,
+            self._method, self._url.decode("latin-1"), self._headers, b"".join(self._body), self._peer,
         ))
         if self._task is None:
             self._answer_queue()

@@ -166,8 +166,3 @@ class LongPoll(Generic[R]):
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def answered(lock: threading.RLock | threading.Lock, reply: R, clock: Callable[[], float]) -> LongPoll[R]:
-    """A poll whose reply is already known."""
-    return LongPoll(lock, lambda _final: reply, Signal(), 0.0, clock)

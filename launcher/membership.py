@@ -10,7 +10,8 @@ what these return:
 * ``announcement_due``: whether to bump the generation so the members of the current round
   stop at the same step (a removal at once; joiners once they wait at the rendezvous);
 * ``round_to_form``: the members of the next round, once every target slot's worker waits
-  at the rendezvous, fresh from the last round.
+  at the rendezvous, fresh from the last round;
+* ``awaited_arrivals``: whose arrival at the rendezvous can change one of these decisions.
 
 Tested with table tests (tests/unit/test_membership.py), without processes or sockets.
 """
@@ -122,13 +123,31 @@ def round_to_form(view: MembershipView) -> tuple[tuple[str, SlotAssignment], ...
     members = []
     for a in view.target:
         worker = by_slot.get(a.slot)
-        if worker is None or worker.state != WorkerState.WAITING:
-            return None
-        # A worker still waiting from before the last round formed has not left it yet.
-        if view.round_number and worker.arrived_after_round not in (view.round_number, 0):
+        if worker is None or not waits_for_next_round(worker, view.round_number):
             return None
         members.append((worker.worker_id, a))
     return tuple(members)
+
+
+def waits_for_next_round(worker: WorkerView, round_number: int) -> bool:
+    """Is ``worker`` at the rendezvous for the round after ``round_number``? One still
+    waiting from before that round formed has not left it yet."""
+    return worker.state == WorkerState.WAITING and (
+        not round_number or worker.arrived_after_round in (round_number, 0)
+    )
+
+
+def awaited_arrivals(view: MembershipView) -> tuple[set[str], set[str]]:
+    """The target's workers not yet at the rendezvous, and the joiners among them: on an
+    arrival there is nothing to decide until the last of either arrives (a round to form;
+    joiners ready, a change to announce). See ``Registry.await_arrivals``."""
+    by_slot = {w.slot: w for w in view.workers if not w.leave}
+    members = {m.worker_id for m in view.round_members}
+    pending = {
+        worker.worker_id for a in view.target
+        if (worker := by_slot.get(a.slot)) is not None and not waits_for_next_round(worker, view.round_number)
+    }
+    return pending, pending - members
 
 
 def slots_of(assignments: Sequence[SlotAssignment]) -> tuple[SlotKey, ...]:

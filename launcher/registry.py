@@ -154,7 +154,7 @@ class Registry:
     def add_worker(self, worker_id: str, slot: SlotKey) -> WorkerRecord:
         record = WorkerRecord(worker_id, slot, started_at=self._clock())
         self.workers[worker_id] = record
-        self.changes += 1
+        self.note_change()
         return record
 
     def wake(self, record: WorkerRecord) -> None:
@@ -194,7 +194,7 @@ class Registry:
 
     def bump_generation(self) -> int:
         self.generation += 1
-        self.changes += 1
+        self.note_change()
         self._fire_live()  # every heartbeat long poll answers at once
         return self.generation
 
@@ -243,7 +243,7 @@ class Registry:
         self.round = RoundInfo(
             number, tuple(r.worker_id for r, _ in members), self.generation, tuple(r.slot for r, _ in members)
         )
-        self.changes += 1
+        self.note_change()
         for record, _ in members:
             record.wake.fire()
         self._fire_askers()  # asking about the previous round: "all members asking" changed

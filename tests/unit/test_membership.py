@@ -10,6 +10,7 @@ from lightning_elastic.launcher.membership import (
     Plan,
     WorkerView,
     announcement_due,
+    awaited_arrivals,
     check_plan_keeps_state,
     plan,
     round_to_form,
@@ -167,3 +168,29 @@ def test_a_slot_held_after_a_preemption_gets_no_new_worker_yet():
     v = view(workers=(w("wa", A),), target=target("a"), held=frozenset({B}))
     assert vacant_slots(v) == {B}
     assert plan(v) is None
+
+
+# ----- awaited arrivals --------------------------------------------------------------------
+
+
+def test_the_driver_awaits_the_world_and_its_joiners_not_those_already_back():
+    members = (w("wa", A), w("wb", B))
+    workers = (
+        w("wa", A, S.WAITING, arrived_after_round=1),  # back from round 1: not awaited
+        w("wb", B),  # still training in round 1
+        w("wc", C, S.STARTING),  # a joiner
+    )
+    v = view(hosts=hosts("a", "b", "c"), workers=workers, target=target("a", "b", "c"),
+             round_number=1, round_members=members)
+    assert awaited_arrivals(v) == ({"wb", "wc"}, {"wc"})
+
+
+def test_a_worker_still_waiting_from_before_the_last_round_is_awaited_again():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=1), w("wb", B, S.WAITING, arrived_after_round=2))
+    v = view(workers=workers, target=target("a", "b"), round_number=2, round_members=(w("wb", B),))
+    assert awaited_arrivals(v) == ({"wa"}, {"wa"})
+
+
+def test_leaving_workers_are_not_awaited():
+    v = view(workers=(w("wa", A, S.STARTING), w("wb", B, S.MEMBER, leave=True)), target=target("a", "b"))
+    assert awaited_arrivals(v) == ({"wa"}, {"wa"})
