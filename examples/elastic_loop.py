@@ -42,6 +42,10 @@ def parse_args() -> argparse.Namespace:
                         help="host whose workers raise at --fail-at-step; 'all': every worker")
     # Fault injection for the chaos tests (docs/reliability.md).
     faults = parser.add_argument_group("fault injection")
+    faults.add_argument("--start-delay", type=float, default=0.0,
+                        help="seconds a worker spends starting before it joins the job (as imports, data and "
+                             "GPU set-up take on a real fleet)")
+    faults.add_argument("--start-delay-on-host", default="all", help="host whose workers start so slowly; 'all': every")
     faults.add_argument("--dist-error-at-step", type=int, default=-1,
                         help="raise torch.distributed.DistError at this global step (with --dist-error-on-host)")
     faults.add_argument("--dist-error-on-host", default="all", help="host that raises it; 'all': every worker")
@@ -85,6 +89,8 @@ def checksum(model: torch.nn.Module) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.start_delay and args.start_delay_on_host in ("all", os.environ.get("LIGHTNING_ELASTIC_HOSTNAME")):
+        time.sleep(args.start_delay)  # before joining: the driver sees a worker still starting
     torch.manual_seed(0)
     le.init()
     events = Events(args.events)

@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--progress-bar", action="store_true")
     # Fault injection for the chaos tests (docs/reliability.md).
     faults = parser.add_argument_group("fault injection")
+    faults.add_argument("--start-delay", type=float, default=0.0,
+                        help="seconds a worker spends starting before fit joins the job (as data and GPU set-up "
+                             "take on a real fleet)")
+    faults.add_argument("--start-delay-on-host", default="all", help="host whose workers start so slowly; 'all': every")
     faults.add_argument("--reset-delay", type=float, default=0.0,
                         help="seconds on_elastic_reset takes (a window to fault the recovery in)")
     faults.add_argument("--dist-error-at-step", type=int, default=-1,
@@ -204,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.import_lightning_elastic:
         import lightning_elastic  # noqa: F401
+    if args.start_delay and args.start_delay_on_host in ("all", os.environ.get("LIGHTNING_ELASTIC_HOSTNAME")):
+        time.sleep(args.start_delay)  # before fit joins: the driver sees a worker still starting
     pl.seed_everything(0, workers=True)
     events = Events(args.events)
     model = SpiralClassifier(args.lr, events, args.fail_at_step, args.fail_rank, args.step_delay, args)

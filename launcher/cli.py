@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the slots of -H, or of localhost when no host source is given)")
     run.add_argument("--min-np", type=int, help="fewest workers to keep training with (default: -np)")
     run.add_argument("--max-np", type=int, help="most workers to run (default: -np)")
+    run.add_argument("--spares", type=int, default=0, metavar="K",
+                     help="keep K more workers started and waiting (hot spares) on the slots after the first "
+                          "--max-np, so a lost worker is replaced at the next re-formation, not after a start-up "
+                          "(default: 0)")
     source = run.add_mutually_exclusive_group()
     source.add_argument("--host-discovery-script", type=Path, metavar="PATH",
                         help="executable that prints the available hosts, one HOST[:SLOTS] per line")
@@ -140,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         np=np_,
         min_np=args.min_np if args.min_np is not None else np_,
         max_np=args.max_np if args.max_np is not None else np_,
+        spares=args.spares,
         hosts=tuple(hosts) if hosts is not None else None,
         discovery_script=script,
         ray=ray,

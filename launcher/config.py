@@ -118,6 +118,10 @@ class LaunchConfig:
     min_np: int
     max_np: int
     hosts: tuple[HostSlots, ...] | None = None
+    # --spares: workers kept started and waiting at the rendezvous beyond --max-np, on the
+    # next slots in host order, so a lost worker is replaced at the next re-formation
+    # instead of after a start-up.
+    spares: int = 0
     discovery_script: Path | None = None
     ray: RaySettings | None = None  # --ray: the hosts are a Ray cluster's nodes
     slots_per_host: int | None = None
@@ -146,6 +150,8 @@ class LaunchConfig:
             raise ConfigError(f"--min-np: must be between 1 and -np ({self.np}), got {self.min_np}")
         if self.max_np < self.np:
             raise ConfigError(f"--max-np: must be at least -np ({self.np}), got {self.max_np}")
+        if self.spares < 0:
+            raise ConfigError(f"--spares: expected 0 or more workers, got {self.spares}")
         sources = (self.hosts, self.discovery_script, self.ray)
         if sum(source is not None for source in sources) != 1:
             raise ConfigError("give exactly one host source: -H/--hosts, --host-discovery-script or --ray")

@@ -119,6 +119,7 @@ class Driver:
         self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
         self._target: list[SlotAssignment] = []
+        self._standby: tuple[SlotKey, ...] = ()  # slots of hot spares (--spares)
         self._view: membership.MembershipView | None = None  # this decision pass's snapshot
         self._announced_for: tuple[SlotKey, ...] | None = None
         self._reset_pending_since: float | None = None  # members were asked to re-rendezvous
@@ -596,6 +597,8 @@ class Driver:
             announced_for=self._announced_for,
             required_slots=self._required_slots(),
             held=frozenset(slot for slot, until in self._held_until.items() if self._clock() < until),
+            spares=self._config.spares,
+            standby=self._standby,
         )
 
     def _plan(self) -> policy.Verdict | None:
@@ -626,17 +629,25 @@ class Driver:
     def _apply(self, new: membership.Plan) -> None:
         reg = self._registry
         self._target = list(new.target)
-        log.info("Target world: %d slot(s): %s.", len(new.target), ", ".join(str(a.slot) for a in new.target))
+        self._standby = new.standby
+        log.info("Target world: %d slot(s): %s%s.", len(new.target), ", ".join(str(a.slot) for a in new.target),
+                 f"; standby: {', '.join(map(str, new.standby))}" if new.standby else "")
         for worker_id in new.leave:
             reg.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
             reg.wake(reg.workers[worker_id])
+        standby = set(new.standby)
+        for record in reg.live_workers():
+            record.standby = record.slot in standby
         reg.note_change()  # decide again next tick, on the world just planned
         for a in new.spawn:
             self._spawn(a)
 
     def _maybe_form_round(self) -> policy.Verdict | None:
         reg = self._registry
-        chosen = membership.round_to_form(self._membership_view())
+        if self._finishing():
+            return None  # training returned: the job ends with this round
+        view = self._membership_view()
+        chosen = membership.round_to_form(view)
         if chosen is None:
             return None
         if reg.round is not None:
@@ -650,9 +661,11 @@ class Driver:
         self._rounds.append(len(members))
         self._announced_for = None
         self._reset_pending_since = None
+        later = len(view.target) - len(members)
         log.info(
-            "Round %d formed with %d worker(s): %s.",
+            "Round %d formed with %d worker(s): %s%s.",
             info.number, len(members), ", ".join(f"rank {a.rank}={r.worker_id}" for r, a in members),
+            f"; {later} more still starting will join the next round" if later else "",
         )
         self._events.round_formed(
             info.number, [{"rank": a.rank, "worker": r.worker_id, "host": r.slot.host} for r, a in members])

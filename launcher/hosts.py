@@ -101,39 +101,51 @@ def assign_slots(
     """Assign ranks host by host in the given order, at most ``max_np`` in all.
 
     The caller orders hosts oldest first, so surviving workers keep the lowest ranks and
-    rank 0 (the root of every state broadcast) holds current state. ``cross_rank`` is the
-    host's index among hosts that have a slot with the same local rank. ``vacant`` slots
+    rank 0 (the root of every state broadcast) holds current state. ``vacant`` slots
     (their workers are leaving) are skipped; the others keep their local rank, which a
     worker keeps for life (it names its GPU).
     """
-    chosen: list[tuple[HostSlots, list[int]]] = []
+    chosen: list[SlotKey] = []
     remaining = max_np
     for h in hosts:
         if remaining <= 0:
             break
         local_ranks = [lr for lr in range(h.slots) if SlotKey(h.host, lr) not in vacant][:remaining]
-        if local_ranks:
-            chosen.append((h, local_ranks))
-            remaining -= len(local_ranks)
-    size = sum(len(taken) for _, taken in chosen)
+        chosen += [SlotKey(h.host, lr) for lr in local_ranks]
+        remaining -= len(local_ranks)
+    return assign_ranks(chosen)
+
+
+def assign_ranks(slots: Sequence[SlotKey]) -> list[SlotAssignment]:
+    """Ranks for ``slots`` in the given order, each host's slots together.
+
+    Used for the planned world and for a round formed with part of it (the workers ready
+    after a fault, while the others still start): ranks are always 0..len-1, the sizes
+    those of the slots given. ``cross_rank`` is the host's index among the hosts that have
+    a slot with the same local rank.
+    """
+    by_host: dict[str, list[int]] = {}
+    for s in slots:
+        by_host.setdefault(s.host, []).append(s.local_rank)
     # Hosts having each local rank, in order: one pass, not one per slot (O(N), at any N).
     cross_size: dict[int, int] = {}
-    cross_rank: dict[tuple[int, int], int] = {}
-    for host_index, (_, taken) in enumerate(chosen):
+    cross_rank: dict[tuple[str, int], int] = {}
+    for host, taken in by_host.items():
         for local_rank in taken:
-            cross_rank[host_index, local_rank] = cross_size.get(local_rank, 0)
-            cross_size[local_rank] = cross_rank[host_index, local_rank] + 1
+            cross_rank[host, local_rank] = cross_size.get(local_rank, 0)
+            cross_size[local_rank] = cross_rank[host, local_rank] + 1
+    size = len(slots)
     result = []
     rank = 0
-    for host_index, (h, taken) in enumerate(chosen):
+    for host, taken in by_host.items():
         for local_rank in taken:
             result.append(
                 SlotAssignment(
-                    slot=SlotKey(h.host, local_rank),
+                    slot=SlotKey(host, local_rank),
                     rank=rank,
                     size=size,
                     local_size=len(taken),
-                    cross_rank=cross_rank[host_index, local_rank],
+                    cross_rank=cross_rank[host, local_rank],
                     cross_size=cross_size[local_rank],
                 )
             )

@@ -5,12 +5,14 @@ clock. Each tick the driver builds a ``MembershipView`` of what it observed and 
 what these return:
 
 * ``plan``: the target world (oldest hosts first, at most --max-np, without the slots of
-  workers leaving on a preemption notice), which live workers must leave, which slots
-  need a new worker;
+  workers leaving on a preemption notice), the standby slots after it (--spares), which
+  live workers must leave, which slots need a new worker;
 * ``announcement_due``: whether to bump the generation so the members of the current round
   stop at the same step (a removal at once; joiners once they wait at the rendezvous);
-* ``round_to_form``: the members of the next round, once every target slot's worker waits
-  at the rendezvous, fresh from the last round;
+* ``round_to_form``: the members of the next round. The first round waits for its whole
+  world; later rounds for every member of the last round still in the target, and take
+  whoever else is ready: a fault never waits for a replacement's start-up, which joins
+  later through the host-change path (live state, no rollback);
 * ``awaited_arrivals``: whose arrival at the rendezvous can change one of these decisions.
 
 Tested with table tests (tests/unit/test_membership.py), without processes or sockets.
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from lightning_elastic.launcher import policy
-from lightning_elastic.launcher.hosts import HostSlots, SlotAssignment, SlotKey, assign_slots
+from lightning_elastic.launcher.hosts import HostSlots, SlotAssignment, SlotKey, assign_ranks, assign_slots
 from lightning_elastic.launcher.registry import WorkerState
 
 
@@ -52,13 +54,16 @@ class MembershipView:
     # Slots whose worker left on a preemption notice a moment ago: a machine being
     # preempted goes away within its grace period, so no new worker is started there yet.
     held: frozenset[SlotKey] = frozenset()
+    spares: int = 0  # --spares: workers kept started and waiting beyond the target
+    standby: tuple[SlotKey, ...] = ()  # the current standby slots (after the target's)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     target: tuple[SlotAssignment, ...]
-    leave: tuple[str, ...]  # live workers whose slot is not in the target any more
-    spawn: tuple[SlotAssignment, ...]  # target slots with no worker
+    leave: tuple[str, ...]  # live workers whose slot is neither in the target nor standby
+    spawn: tuple[SlotAssignment, ...]  # target and standby slots with no worker
+    standby: tuple[SlotKey, ...] = ()  # slots of hot spares: started, waiting, in no round
 
 
 def vacant_slots(view: MembershipView) -> frozenset[SlotKey]:
@@ -67,16 +72,25 @@ def vacant_slots(view: MembershipView) -> frozenset[SlotKey]:
 
 
 def plan(view: MembershipView) -> Plan | None:
-    """The new target world, or None when the current one stands and is fully staffed."""
-    desired = tuple(assign_slots(view.hosts, view.max_np, vacant_slots(view)))
+    """The new target world, or None when the current one stands and is fully staffed.
+
+    With --spares K the next K slots after the target are standby: their workers start,
+    import and wait at the rendezvous, in no round, until a change moves their slot into
+    the target (the slots are in host order, so a spare's slot is the next one taken).
+    """
+    desired = assign_slots(view.hosts, view.max_np + view.spares, vacant_slots(view))
+    target = tuple(assign_ranks([a.slot for a in desired[:view.max_np]]))
+    standby = tuple(a.slot for a in desired[view.max_np:])
     staffed = {w.slot for w in view.workers if not w.leave}
-    if [a.slot for a in desired] == [a.slot for a in view.target] and all(a.slot in staffed for a in desired):
+    if ([a.slot for a in target] == [a.slot for a in view.target] and standby == view.standby
+            and all(a.slot in staffed for a in desired)):
         return None
     wanted = {a.slot for a in desired}
     return Plan(
-        target=desired,
+        target=target,
         leave=tuple(w.worker_id for w in view.workers if w.slot not in wanted and not w.leave),
         spawn=tuple(a for a in desired if a.slot not in staffed),
+        standby=standby,
     )
 
 
@@ -111,22 +125,40 @@ def announcement_due(view: MembershipView) -> bool:
     by_slot = {w.slot: w for w in view.workers}
     joiners = [by_slot.get(s) for s in target_slots if s not in by_slot or by_slot[s].worker_id not in member_ids]
     removal = any(m.leave for m in view.round_members)
-    joiners_ready = all(j is not None and j.state == WorkerState.WAITING for j in joiners)
+    joiners_ready = all(j is not None and waits_for_next_round(j, view.round_number) for j in joiners)
     return removal or joiners_ready
 
 
 def round_to_form(view: MembershipView) -> tuple[tuple[str, SlotAssignment], ...] | None:
-    """The next round's (worker id, slot assignment) pairs in rank order, or None: not yet."""
-    if not view.target or len(view.target) < view.required_slots:
+    """The next round's (worker id, slot assignment) pairs in rank order, or None: not yet.
+
+    The first round waits for every target worker (the world the user asked for). A later
+    round waits for every member of the last round that is still in the target (they hold
+    the state, and come back within milliseconds of a fault or an announcement) and takes
+    whichever other target workers already wait, at least ``required_slots`` in all: a
+    worker still starting (a replacement on a spare host, which may take minutes to import
+    and initialise a GPU) joins the round after, as a host added during training does.
+    Ranks follow the target's order, renumbered over the workers taken.
+    """
+    if not view.target:
         return None
     by_slot = {w.slot: w for w in view.workers if not w.leave}
-    members = []
+    members = {m.worker_id for m in view.round_members}
+    ready: list[tuple[str, SlotAssignment]] = []
     for a in view.target:
         worker = by_slot.get(a.slot)
-        if worker is None or not waits_for_next_round(worker, view.round_number):
+        if worker is not None and waits_for_next_round(worker, view.round_number):
+            ready.append((worker.worker_id, a))
+        elif not view.round_number or (worker is not None and worker.worker_id in members):
             return None
-        members.append((worker.worker_id, a))
-    return tuple(members)
+    if len(ready) < max(view.required_slots, 1):
+        return None
+    if view.round_number and not any(worker_id in members for worker_id, _ in ready):
+        return None  # no holder of the state among them (e.g. training returned): not a round
+    if len(ready) == len(view.target):
+        return tuple(ready)
+    ranks = assign_ranks([a.slot for _, a in ready])
+    return tuple((worker_id, a) for (worker_id, _), a in zip(ready, ranks))
 
 
 def waits_for_next_round(worker: WorkerView, round_number: int) -> bool:
@@ -137,17 +169,24 @@ def waits_for_next_round(worker: WorkerView, round_number: int) -> bool:
     )
 
 
-def awaited_arrivals(view: MembershipView) -> tuple[set[str], set[str]]:
-    """The target's workers not yet at the rendezvous, and the joiners among them: on an
-    arrival there is nothing to decide until the last of either arrives (a round to form;
-    joiners ready, a change to announce). See ``Registry.await_arrivals``."""
+def awaited_arrivals(view: MembershipView) -> tuple[set[str], ...]:
+    """Groups of target workers not yet at the rendezvous: on an arrival there is nothing
+    to decide until the last of one group arrives. Before the first round: the whole
+    target (a round to form). Later: the last round's members (a round to form) and the
+    joiners (ready: a change to announce). Once the members are all back but too few to
+    form a round, no groups: any arrival may complete one. See ``Registry.await_arrivals``."""
     by_slot = {w.slot: w for w in view.workers if not w.leave}
     members = {m.worker_id for m in view.round_members}
     pending = {
         worker.worker_id for a in view.target
         if (worker := by_slot.get(a.slot)) is not None and not waits_for_next_round(worker, view.round_number)
     }
-    return pending, pending - members
+    if not view.round_number:
+        return (pending,)
+    pending_members = pending & members
+    if not pending_members:
+        return ()
+    return pending_members, pending - members
 
 
 def slots_of(assignments: Sequence[SlotAssignment]) -> tuple[SlotKey, ...]:

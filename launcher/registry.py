@@ -88,6 +88,7 @@ class WorkerRecord:
     leave: bool = False  # answer EXIT at its next rendezvous
     departing: str = ""  # why it asked to leave (a preemption notice): its slot is vacant
     stopping: bool = False  # the driver is stopping it (SIGTERM, then SIGKILL)
+    standby: bool = False  # a hot spare (--spares): waits at the rendezvous, in no round
     exit_status: int | None = None
     # Its pending requests wait on this: fired when their answers may have changed.
     wake: Signal = dataclasses.field(default_factory=Signal, repr=False, compare=False)
@@ -280,7 +281,7 @@ class Registry:
             if self._assigned_after(record, request.after_round):
                 return RendezvousReply(RendezvousStatus.ASSIGNED, record.assignment)
             if final or record.state.finished:
-                return RendezvousReply(RendezvousStatus.WAIT)
+                return RendezvousReply(RendezvousStatus.WAIT, standby=record.standby)
             return None
 
         return self._poll(answer, record, timeout)

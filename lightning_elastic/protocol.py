@@ -50,8 +50,9 @@ ENV_PREEMPTION_GRACE = "LIGHTNING_ELASTIC_PREEMPTION_GRACE"
 ENV_CUDA_DEVICE = "LIGHTNING_ELASTIC_CUDA_DEVICE"
 
 # The protocol's version, on every request and reply: a worker and a driver of different
-# versions refuse each other with a message that says so (2: the store's MULTI_GET).
-PROTOCOL_VERSION = 2
+# versions refuse each other with a message that says so (2: the store's MULTI_GET; 3: a
+# hot spare's WAIT says so).
+PROTOCOL_VERSION = 3
 HEADER_PROTOCOL = "X-Elastic-Protocol"
 HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
 HEADER_NONCE = "X-Elastic-Nonce"  # secrets.token_hex(16), fresh for every request sent
@@ -110,6 +111,9 @@ class Assignment:
 class RendezvousReply:
     status: RendezvousStatus
     assignment: Assignment | None = None
+    # WAIT to a hot spare (--spares): it may wait for as long as the job runs, not only
+    # for the elastic timeout that bounds waiting for a round to form.
+    standby: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

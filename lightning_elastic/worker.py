@@ -259,6 +259,7 @@ class ElasticWorker:
         deadline = time.monotonic() + self.settings.elastic_timeout + 60.0
         if after == 0:
             time.sleep(first_request_spread(int(os.environ.get("WORLD_SIZE", "1"))))
+        standby_said = False
         while True:
             reply = self._client.rendezvous(after)
             if reply.status == p.RendezvousStatus.ASSIGNED:
@@ -271,6 +272,13 @@ class ElasticWorker:
                 self._client.report(after, p.Outcome.REMOVED)
                 self.shutdown()
                 sys.exit(0)
+            if reply.standby:
+                # A hot spare waits until a change needs it, however long the job runs.
+                if not standby_said:
+                    log.info("Worker %s is a hot spare: waiting at the rendezvous until the job needs it.",
+                             self.settings.worker_id)
+                    standby_said = True
+                deadline = time.monotonic() + self.settings.elastic_timeout + 60.0
             if time.monotonic() > deadline:
                 raise RendezvousError(f"no round was formed within {self.settings.elastic_timeout:g} s")
         self._assignment = reply.assignment

@@ -45,6 +45,7 @@ def test_config_error_is_a_launch_error():
         (dict(min_np=3), "--min-np: must be between 1 and -np (2), got 3"),
         (dict(min_np=0), "--min-np: must be between 1 and -np (2), got 0"),
         (dict(max_np=1), "--max-np: must be at least -np (2), got 1"),
+        (dict(spares=-1), "--spares: expected 0 or more workers, got -1"),
         (dict(hosts=None), "give exactly one host source: -H/--hosts, --host-discovery-script or --ray"),
         (dict(discovery_script=Path("/bin/true")), "give exactly one host source: -H/--hosts, --host-discovery-script or --ray"),
         (dict(elastic_timeout=0.0), "--elastic-timeout: must be positive, got 0.0"),

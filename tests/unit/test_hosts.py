@@ -10,6 +10,7 @@ from lightning_elastic.launcher.errors import ConfigError, DiscoveryError
 from lightning_elastic.launcher.hosts import (
     HostSlots,
     SlotKey,
+    assign_ranks,
     assign_slots,
     count_slots,
     parse_discovery_output,
@@ -156,6 +157,17 @@ def test_assign_slots_ranks_hosts_in_given_order_with_local_and_cross_ranks():
         ("b[1]", 3, 6, 3, 1, 2),
         ("b[2]", 4, 6, 3, 0, 1),
         ("c[0]", 5, 6, 1, 2, 3),
+    ]
+
+
+def test_assign_ranks_renumbers_part_of_a_world_in_its_order():
+    # A round formed with the ready part of a planned world: a[1] and b[0] still start.
+    slots = [SlotKey("a", 0), SlotKey("a", 2), SlotKey("b", 1), SlotKey("c", 0)]
+    assert _table(assign_ranks(slots)) == [
+        ("a[0]", 0, 4, 2, 0, 2),
+        ("a[2]", 1, 4, 2, 0, 1),
+        ("b[1]", 2, 4, 1, 0, 1),
+        ("c[0]", 3, 4, 1, 1, 2),
     ]
 
 

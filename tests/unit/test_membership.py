@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lightning_elastic.launcher.hosts import HostSlots, SlotKey, assign_slots
+from lightning_elastic.launcher.hosts import HostSlots, SlotKey, assign_ranks, assign_slots
 from lightning_elastic.launcher.membership import (
     MembershipView,
     Plan,
@@ -19,7 +19,7 @@ from lightning_elastic.launcher.membership import (
 from lightning_elastic.launcher.policy import Verdict
 from lightning_elastic.launcher.registry import WorkerState as S
 
-A, B, C = SlotKey("a", 0), SlotKey("b", 0), SlotKey("c", 0)
+A, B, C, D, E = (SlotKey(h, 0) for h in "abcde")
 
 
 def hosts(*names: str) -> tuple[HostSlots, ...]:
@@ -156,7 +156,62 @@ def test_no_round_below_the_required_size():
 
 def test_a_worker_still_waiting_from_before_the_last_round_is_not_fresh():
     workers = (w("wa", A, S.WAITING, arrived_after_round=1), w("wb", B, S.WAITING, arrived_after_round=2))
-    assert round_to_form(view(workers=workers, target=target("a", "b"), round_number=2)) is None
+    v = view(workers=workers, target=target("a", "b"), round_number=2, round_members=(w("wb", B),))
+    assert round_to_form(v) == (("wb", assign_ranks([B])[0]),)
+
+
+# A fault while a replacement starts: round 1 was a, b, c; c died, d replaces it.
+AFTER_FAULT = dict(hosts=hosts("a", "b", "d"), target=target("a", "b", "d"), round_number=1,
+                   round_members=(w("wa", A), w("wb", B), w("wc", C, S.FAILED)), round_broken=True)
+
+
+def test_after_a_fault_the_survivors_form_without_waiting_for_a_replacement():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=1), w("wb", B, S.WAITING, arrived_after_round=1),
+               w("wd", D, S.STARTING))
+    formed = round_to_form(view(workers=workers, **AFTER_FAULT))
+    assert formed == (("wa", assign_ranks([A, B])[0]), ("wb", assign_ranks([A, B])[1]))
+    assert [a.size for _, a in formed] == [2, 2]
+
+
+def test_after_a_fault_every_survivor_still_in_the_target_is_awaited():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=1), w("wb", B), w("wd", D, S.WAITING, arrived_after_round=0))
+    assert round_to_form(view(workers=workers, **AFTER_FAULT)) is None
+
+
+def test_a_replacement_already_waiting_is_taken_at_once():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=1), w("wb", B, S.WAITING, arrived_after_round=1),
+               w("wd", D, S.WAITING, arrived_after_round=0))
+    formed = round_to_form(view(workers=workers, **AFTER_FAULT))
+    assert formed == tuple(zip(("wa", "wb", "wd"), target("a", "b", "d")))
+
+
+def test_too_few_survivors_wait_for_replacements_but_not_for_all_of_them():
+    fault = {**AFTER_FAULT, "hosts": hosts("a", "d", "e"), "target": target("a", "d", "e"), "required_slots": 2}
+    survivor = w("wa", A, S.WAITING, arrived_after_round=1)
+    starting = (survivor, w("wd", D, S.STARTING), w("we", E, S.STARTING))
+    assert round_to_form(view(workers=starting, **fault)) is None
+    one_ready = (survivor, w("wd", D, S.STARTING), w("we", E, S.WAITING, arrived_after_round=0))
+    assert round_to_form(view(workers=one_ready, **fault)) == tuple(zip(("wa", "we"), assign_ranks([A, E])))
+
+
+def test_no_round_of_workers_that_hold_no_state():
+    # Training returned in round 1 and its members exited: a late joiner is no new round.
+    fault = {**AFTER_FAULT, "round_members": (w("wa", A, S.DONE), w("wb", B, S.DONE)), "round_broken": False}
+    v = view(workers=(w("wd", D, S.WAITING, arrived_after_round=0),), **fault)
+    assert round_to_form(v) is None
+
+
+def test_the_first_round_waits_for_its_whole_world():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=0), w("wb", B, S.WAITING, arrived_after_round=0),
+               w("wc", C, S.STARTING))
+    assert round_to_form(view(workers=workers, hosts=hosts("a", "b", "c"), target=target("a", "b", "c"))) is None
+
+
+def test_a_replacement_that_arrives_after_the_round_formed_is_announced_as_a_joiner():
+    members = (w("wa", A), w("wb", B))
+    v = round_view(members, (w("wd", D, S.WAITING, arrived_after_round=0),), hosts=hosts("a", "b", "d"),
+                   target=target("a", "b", "d"))
+    assert announcement_due(v) is True
 
 
 def test_a_worker_told_to_leave_is_never_a_member():
@@ -182,15 +237,48 @@ def test_the_driver_awaits_the_world_and_its_joiners_not_those_already_back():
     )
     v = view(hosts=hosts("a", "b", "c"), workers=workers, target=target("a", "b", "c"),
              round_number=1, round_members=members)
-    assert awaited_arrivals(v) == ({"wb", "wc"}, {"wc"})
+    assert awaited_arrivals(v) == ({"wb"}, {"wc"})
 
 
-def test_a_worker_still_waiting_from_before_the_last_round_is_awaited_again():
-    workers = (w("wa", A, S.WAITING, arrived_after_round=1), w("wb", B, S.WAITING, arrived_after_round=2))
-    v = view(workers=workers, target=target("a", "b"), round_number=2, round_members=(w("wb", B),))
-    assert awaited_arrivals(v) == ({"wa"}, {"wa"})
+def test_before_the_first_round_the_driver_awaits_the_whole_world():
+    v = view(workers=(w("wa", A, S.STARTING), w("wb", B, S.WAITING, arrived_after_round=0)), target=target("a", "b"))
+    assert awaited_arrivals(v) == ({"wa"},)
+
+
+def test_members_all_back_but_too_few_every_arrival_counts():
+    workers = (w("wa", A, S.WAITING, arrived_after_round=1), w("wd", D, S.STARTING), w("we", E, S.STARTING))
+    v = view(workers=workers, **{**AFTER_FAULT, "target": target("a", "d", "e"), "required_slots": 2})
+    assert awaited_arrivals(v) == ()
 
 
 def test_leaving_workers_are_not_awaited():
     v = view(workers=(w("wa", A, S.STARTING), w("wb", B, S.MEMBER, leave=True)), target=target("a", "b"))
-    assert awaited_arrivals(v) == ({"wa"}, {"wa"})
+    assert awaited_arrivals(v) == ({"wa"},)
+
+
+# ----- hot spares ----------------------------------------------------------------------------
+
+
+def test_spares_take_the_slots_after_the_target_and_are_started():
+    v = view(hosts=hosts("a", "b", "c", "d"), max_np=2, spares=1)
+    assert plan(v) == Plan(target=target("a", "b"), leave=(), spawn=tuple(assign_slots(hosts("a", "b", "c"), 3)),
+                           standby=(C,))
+
+
+def test_a_staffed_standby_needs_no_plan():
+    v = view(hosts=hosts("a", "b", "c"), max_np=2, spares=1, workers=(w("wa", A), w("wb", B), w("wc", C, S.WAITING)),
+             target=target("a", "b"), standby=(C,))
+    assert plan(v) is None
+
+
+def test_a_lost_worker_is_replaced_by_the_waiting_spare_in_one_re_formation():
+    members = (w("wa", A), w("wb", B, S.FAILED))
+    spare = w("wc", C, S.WAITING, arrived_after_round=0)
+    survivor = w("wa", A, S.WAITING, arrived_after_round=1)
+    v = view(hosts=hosts("a", "c", "d"), max_np=2, spares=1, workers=(survivor, spare), target=target("a", "b"),
+             standby=(C,), round_number=1, round_members=members, round_broken=True)
+    new = plan(v)
+    assert new is not None and new.target == target("a", "c") and new.standby == (D,)
+    assert [a.slot for a in new.spawn] == [D]  # a new spare; the old one moves into the world
+    formed = round_to_form(dataclasses.replace(v, target=new.target, standby=new.standby))
+    assert formed == tuple(zip(("wa", "wc"), target("a", "c")))

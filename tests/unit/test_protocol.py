@@ -87,7 +87,7 @@ def test_enums_are_encoded_as_their_values():
         "worker_id": "w", "round": 1, "outcome": "failed", "message": "",
     }
     assert json.loads(p.to_json(p.RendezvousReply(p.RendezvousStatus.WAIT))) == {
-        "status": "wait", "assignment": None,
+        "status": "wait", "assignment": None, "standby": False,
     }
 
 

@@ -154,6 +154,13 @@ def test_rendezvous_without_a_round_answers_wait_and_records_arrival():
     assert w.last_heartbeat == 50.0 and w.waiting_since == 50.0
 
 
+def test_a_hot_spare_is_told_so_while_it_waits():
+    reg = Registry(FakeClock(50.0))
+    add(reg, "w0").standby = True
+    reply = reg.rendezvous(RendezvousRequest("w0", 0), timeout=0)
+    assert reply.status == RendezvousStatus.WAIT and reply.standby
+
+
 def test_repeated_rendezvous_keeps_waiting_since_but_refreshes_heartbeat():
     clock = FakeClock(50.0)
     reg = Registry(clock)
