@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from lightning_elastic.launcher.errors import ConfigError
-from lightning_elastic.launcher.hosts import HostSlots
+from lightning_elastic.launcher.hosts import HostSlots, count_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,8 @@ class Timeouts:
     # and at least this often (its timers: wedged workers, timeouts, cooldowns).
     tick: float = 0.05
     decide_every: float = 0.25
+    # While the job waits for slots, a line saying what is missing this often.
+    progress_every: float = 5.0
 
     @property
     def heartbeat_period(self) -> float:
@@ -152,6 +154,12 @@ class LaunchConfig:
             raise ConfigError(f"--max-np: must be at least -np ({self.np}), got {self.max_np}")
         if self.spares < 0:
             raise ConfigError(f"--spares: expected 0 or more workers, got {self.spares}")
+        if self.hosts is not None and count_slots(self.hosts) < self.np:
+            listed = ",".join(f"{h.host}:{h.slots}" for h in self.hosts)
+            raise ConfigError(
+                f"-np {self.np}: the fixed host list {listed} has {count_slots(self.hosts)} slot(s) and can never "
+                "grow; give more hosts, a smaller -np, or a --host-discovery-script"
+            )
         sources = (self.hosts, self.discovery_script, self.ray)
         if sum(source is not None for source in sources) != 1:
             raise ConfigError("give exactly one host source: -H/--hosts, --host-discovery-script or --ray")

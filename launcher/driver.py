@@ -4,8 +4,9 @@
 discovery poller and the rendezvous service only report to it. Each tick it:
 
 1. takes the latest discovery result and lets cooled-down hosts come back;
-2. reaps exited workers (a worker that exits without reporting success has failed: its host
-   is blacklisted and its round is marked broken, so survivors learn it was a lost peer);
+2. reaps exited workers (a worker that exits without reporting success has failed: its slot,
+   or its whole host when the host is bad, is blacklisted and its round is marked broken, so
+   survivors learn it was a lost peer);
 3. kills wedged workers (missed heartbeats, or too slow to arrive at the rendezvous);
 4. asks ``policy.decide_verdict`` whether the job has ended;
 5. plans the target set of slots (oldest hosts first, at most --max-np), starts workers for
@@ -126,6 +127,9 @@ class Driver:
         self._discovery_seq = 0
         self._discovery_error: str | None = None
         self._below_since: float | None = None
+        self._waiting_said_at = 0.0  # when the last "waiting for slots" line was logged
+        # A fixed host list never grows; with no cooldown a blacklisted host never returns.
+        self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
         self._worker_numbers = itertools.count()
         self._rounds: list[int] = []
         self._failures: list[str] = []
@@ -461,14 +465,18 @@ class Driver:
         if not blacklist:
             return  # training is over: nothing more to run on any host
         if not self._hosts.is_blacklisted(host):
-            cooldown = self._hosts.blacklist(host)
-            self._blacklisted.append(host)
-            self._events.emit("host_blacklisted", host=host, reason=text)
-            log.warning(
-                "Blacklisted host %s %s.",
-                host,
-                "for the rest of the job" if cooldown is None else f"for {cooldown:g} s",
-            )
+            # A slot, or the whole host when the failure says the machine is bad (see
+            # HostManager.record_failure): a sibling's death never stops healthy workers.
+            taken = self._hosts.record_failure(record.slot, host_failed=bool(detail))
+            if taken.name not in self._blacklisted:
+                self._blacklisted.append(taken.name)
+            if taken.whole_host:
+                self._events.emit("host_blacklisted", host=host, reason=text)
+                log.warning("Blacklisted host %s %s: %s.", host, taken.describe(), taken.why)
+            else:
+                self._events.emit("slot_blacklisted", host=host, slot=taken.name, reason=text)
+                log.warning("Blacklisted slot %s %s: %s.", taken.name, taken.describe(), taken.why)
+                return
         for other in self._registry.live_workers():
             if other.slot.host == host:
                 self._stop_worker(other, f"its host {host} is blacklisted")
@@ -546,9 +554,15 @@ class Driver:
         if available < required:
             if self._below_since is None:
                 self._below_since = now
-                log.warning("Waiting for %d slot(s): %d available.", required, available)
+            if now - self._waiting_said_at >= self._config.timeouts.progress_every:
+                # Every few seconds, not once: a wait of minutes must not look like a hang.
+                self._waiting_said_at = now
+                left = self._config.elastic_timeout - (now - self._below_since)
+                log.warning("Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them.",
+                            required, available, ", ".join(f"{h.host}:{h.slots}" for h in hosts) or "no host", left)
         else:
             self._below_since = None
+            self._waiting_said_at = 0.0
         view = policy.JobView(
             round_number=reg.round.number if reg.round else 0,
             members=members,
@@ -560,6 +574,8 @@ class Driver:
             discovery_error=self._discovery_error,
             last_failure=self._failures[-1] if self._failures else "",
             repeated_error=reg.repeated_error,
+            slots_can_grow=not self._fixed_hosts or bool(self._held_until),
+            blacklisted=tuple(self._blacklisted),
         )
         return policy.decide_verdict(view, self._config.elastic_timeout)
 
@@ -596,7 +612,8 @@ class Driver:
             round_broken=current is not None and current.number in reg.broken_rounds,
             announced_for=self._announced_for,
             required_slots=self._required_slots(),
-            held=frozenset(slot for slot, until in self._held_until.items() if self._clock() < until),
+            held=frozenset(slot for slot, until in self._held_until.items() if self._clock() < until)
+            | self._hosts.blacklisted_slots(),
             spares=self._config.spares,
             standby=self._standby,
         )

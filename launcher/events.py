@@ -8,6 +8,7 @@ come from their own clocks, and the driver's monotonic clock means nothing to th
 ``job_started``     ``np``, ``min_np``, ``max_np``
 ``hosts_changed``   ``added``, ``removed`` (host names; the first discovery adds all)
 ``host_blacklisted``  ``host``, ``reason``
+``slot_blacklisted``  ``host``, ``slot``, ``reason`` (one slot of a host that stays in use)
 ``worker_started``  ``worker``, ``host``, ``pid``
 ``worker_failed``   ``worker``, ``host``, ``reason``
 ``worker_left``     ``worker``, ``host``, ``reason`` (removed, preempted, stopped)

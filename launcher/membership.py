@@ -51,8 +51,9 @@ class MembershipView:
     round_broken: bool = False
     announced_for: tuple[SlotKey, ...] | None = None  # the target last announced
     required_slots: int = 1
-    # Slots whose worker left on a preemption notice a moment ago: a machine being
-    # preempted goes away within its grace period, so no new worker is started there yet.
+    # Slots given no worker for now: a worker left them on a preemption notice a moment ago
+    # (a machine being preempted goes away within its grace period), or their worker
+    # failed and they cool down while the host's other slots stay in use.
     held: frozenset[SlotKey] = frozenset()
     spares: int = 0  # --spares: workers kept started and waiting beyond the target
     standby: tuple[SlotKey, ...] = ()  # the current standby slots (after the target's)
@@ -67,7 +68,8 @@ class Plan:
 
 
 def vacant_slots(view: MembershipView) -> frozenset[SlotKey]:
-    """Slots of workers leaving on a preemption notice, or that left one a moment ago."""
+    """Slots of workers leaving on a preemption notice, or held (left one a moment ago, or
+    cooling down after a failure)."""
     return frozenset(w.slot for w in view.workers if w.departing) | view.held
 
 

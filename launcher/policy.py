@@ -37,7 +37,11 @@ class JobView:
     below_required_for: float | None  # seconds spent below required_slots, if below now
     discovery_error: str | None  # the latest discovery failure, if the latest poll failed
     last_failure: str = ""  # the latest worker failure, to explain a blacklist
+    blacklisted: tuple[str, ...] = ()  # hosts and slots blacklisted so far, for the verdict
     repeated_error: str | None = None  # the same collective error ended too many rounds
+    # Can the available slots still grow? Not from a fixed host list with no blacklist
+    # cooldown and no slot held after a preemption: waiting for slots there is hopeless.
+    slots_can_grow: bool = True
 
 
 def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
@@ -69,6 +73,13 @@ def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
     if view.live_workers == 0 and view.blacklisted_hosts:
         detail = f"; last failure: {view.last_failure}" if view.last_failure else ""
         return Verdict(False, f"every host is blacklisted ({', '.join(view.blacklisted_hosts)}){detail}")
+    if view.below_required_for is not None and not view.slots_can_grow:
+        lost = f" ({', '.join(view.blacklisted)} blacklisted for the rest of the job)" if view.blacklisted else ""
+        return Verdict(
+            False,
+            f"{view.required_slots} slot(s) needed and {view.available_slots} left in the fixed host list{lost}, "
+            "which can never grow: lower --min-np, or give hosts with --host-discovery-script",
+        )
     if view.below_required_for is not None and view.below_required_for >= elastic_timeout:
         detail = f"; last discovery error: {view.discovery_error}" if view.discovery_error else ""
         return Verdict(

@@ -112,6 +112,24 @@ def test_remote_worker_sigkilled_survivors_go_on_in_the_same_processes(job: Job,
     assert_replicas_identical(job)
 
 
+def test_a_dead_worker_on_a_two_slot_remote_host_leaves_its_sibling_training(job: Job, hosts: NamespacedHosts) -> None:
+    h1, h2, _ = hosts.names
+    job.start(launch_args(hosts, "-np", "3", "--min-np", "1", "-H", f"{h1}:2,{h2}:1"), [*SLOW, "--epochs", "3"])
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    victim = next(e["pid"] for e in job.events("start") if e["worker"] == f"{h1}[1]#1")
+    before = worker_pids(job, h1) - {victim}
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert f"Blacklisted slot {h1}[1] for the rest of the job: its other slots stay in use" in err
+    assert f"blacklisted:   {h1}[1]" in err
+    assert job.world_sizes() == [3, 2]
+    assert before and before <= {e["pid"] for e in job.events("done")}  # its sibling went on, same process
+    assert_epochs_complete(job, 3)
+    assert_replicas_identical(job)
+
+
 def test_remote_worker_sigterm_is_a_graceful_leave(job: Job, hosts: NamespacedHosts) -> None:
     # The machine's own orchestrator announces a preemption: the worker asks the driver, over
     # the network, to leave; nothing is rolled back and the host is not blacklisted.

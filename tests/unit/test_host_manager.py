@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_elastic.launcher.host_manager import HostChange, HostManager
-from lightning_elastic.launcher.hosts import HostSlots
+from lightning_elastic.launcher.hosts import HostSlots, SlotKey
 
 
 class FakeClock:
@@ -277,3 +277,52 @@ def test_all_blacklisted_hosts_clears_once_a_cooldown_ends(clock):
     assert m.all_blacklisted_hosts() == ("a",)
     clock.now += 3.0
     assert m.all_blacklisted_hosts() == ()
+
+
+# ----- failures counted per slot ---------------------------------------------------------
+
+
+def test_a_failure_on_a_one_slot_host_blacklists_the_host(manager):
+    manager.update(hosts("a", "b"))
+    taken = manager.record_failure(SlotKey("a", 0))
+    assert (taken.name, taken.whole_host, taken.cooldown) == ("a", True, None)
+    assert names(manager) == ["b"] and manager.blacklisted_slots() == frozenset()
+
+
+def test_one_failure_on_a_multi_slot_host_takes_out_its_slot_only(manager):
+    manager.update(hosts("a:3"))
+    taken = manager.record_failure(SlotKey("a", 1))
+    assert (taken.name, taken.whole_host) == ("a[1]", False)
+    assert names(manager) == ["a"] and not manager.is_blacklisted("a")
+    assert manager.blacklisted_slots() == {SlotKey("a", 1)}
+
+
+def test_a_second_slot_failing_blacklists_the_host(manager):
+    manager.update(hosts("a:3", "b:1"))
+    manager.record_failure(SlotKey("a", 1))
+    taken = manager.record_failure(SlotKey("a", 2))
+    assert (taken.name, taken.whole_host, taken.why) == ("a", True, "another of its slots failed before")
+    assert names(manager) == ["b"] and manager.blacklisted_slots() == frozenset()
+
+
+def test_the_same_slot_failing_again_stays_a_slot_failure(clock):
+    m = HostManager(cooldown=(10.0, 100.0), clock=clock)
+    m.update(hosts("a:2"))
+    assert m.record_failure(SlotKey("a", 0)).cooldown == 10.0
+    clock.now += 11
+    assert m.tick() == HostChange(resized=("a",))  # the slot is back: a decision is due
+    assert m.blacklisted_slots() == frozenset()
+    again = m.record_failure(SlotKey("a", 0))
+    assert (again.whole_host, again.cooldown) == (False, 20.0)
+
+
+def test_a_failure_of_the_host_itself_blacklists_it_at_once(manager):
+    manager.update(hosts("a:8"))
+    taken = manager.record_failure(SlotKey("a", 3), host_failed=True)
+    assert (taken.name, taken.whole_host) == ("a", True)
+
+
+def test_a_host_failing_for_weeks_never_overflows_its_cooldown(clock):
+    m = HostManager(cooldown=(60.0, 3600.0), clock=clock)
+    m.update(hosts("a"))
+    assert [m.blacklist("a") for _ in range(2000)][-1] == 3600.0

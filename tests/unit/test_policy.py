@@ -140,6 +140,19 @@ def test_timeout_names_required_and_available_slots():
     )
 
 
+def test_a_fixed_host_list_short_of_slots_fails_at_once_naming_what_was_lost():
+    v = view(S.MEMBER, S.FAILED, required_slots=2, available_slots=1, below_required_for=0.0,
+             slots_can_grow=False, blacklisted=("127.0.0.2",))
+    assert decide_verdict(v, TIMEOUT) == Verdict(
+        False, "2 slot(s) needed and 1 left in the fixed host list (127.0.0.2 blacklisted for the rest of the job), "
+               "which can never grow: lower --min-np, or give hosts with --host-discovery-script")
+
+
+def test_slots_that_may_still_appear_are_waited_for():
+    v = view(S.MEMBER, S.FAILED, required_slots=2, available_slots=1, below_required_for=0.0)
+    assert decide_verdict(v, TIMEOUT) is None
+
+
 def test_timeout_formats_fractional_seconds_compactly():
     v = view(required_slots=2, available_slots=0, below_required_for=10.0)
     assert decide_verdict(v, 2.5).reason == "timed out after 2.5 s waiting for 2 slot(s) (0 available)"
