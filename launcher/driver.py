@@ -588,10 +588,17 @@ class Driver:
             discovery_error=self._discovery_error,
             last_failure=self._failures[-1] if self._failures else "",
             repeated_error=reg.repeated_error,
-            slots_can_grow=not self._fixed_hosts or bool(self._held_until),
+            slots_can_grow=(available >= required or not self._fixed_hosts or bool(self._held_until)
+                            or self._members_training()),
             blacklisted=tuple(self._blacklisted),
         )
         return policy.decide_verdict(view, self._config.elastic_timeout)
+
+    def _members_training(self) -> bool:
+        """Is a member of the current round still in it? Then the round's end is not known
+        yet: it may fail in a more telling way (every member raising the same error)."""
+        reg = self._registry
+        return any(reg.current_member(w) for w in reg.live_workers())
 
     def _required_slots(self) -> int:
         return self._config.min_np if self._registry.round is not None else self._config.np

@@ -160,11 +160,18 @@ def test_all_workers_failing_fails_the_job(job: Job) -> None:
 
 
 def test_every_host_blacklisted_fails_the_job(job: Job) -> None:
-    job.start(["-np", "2", "--min-np", "1", "-H", "127.0.0.1:2"], [*STEADY, "--epochs", "20"])
+    # One slot failing takes out that slot; a second one of the same host takes the host,
+    # and the third slot's healthy worker with it.
+    job.start(["-np", "3", "--min-np", "1", "-H", "127.0.0.1:3"], [*STEADY, "--epochs", "20"])
     job.wait_rounds(1)
     job.wait_steps(3)
-    os.kill(job.worker_pid("127.0.0.1"), signal.SIGKILL)
+    pids = {e["worker"]: e["pid"] for e in job.events("start")}
+    os.kill(pids["127.0.0.1[0]#0"], signal.SIGKILL)
+    job.wait_rounds(2)
+    os.kill(pids["127.0.0.1[1]#1"], signal.SIGKILL)
     assert job.wait() != 0
+    assert "Blacklisted host 127.0.0.1 for the rest of the job: another of its slots failed before" in job.stderr()
+    assert "Stopping worker 127.0.0.1[2]#2: its host 127.0.0.1 is blacklisted" in job.stderr()
     assert "job failed: every host is blacklisted (127.0.0.1)" in job.reason()
 
 
