@@ -120,8 +120,9 @@ class HttpConnection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[str, str] = {}
         self._header_count = 0
+        self._header_bytes = 0  # of the headers parsed so far
         self._in_head = True  # between a message's start and its headers' end
-        self._head_bytes = 0
+        self._head_data = 0  # bytes received while in the head (a read may hold a body too)
         self._body: list[bytes] = []
         self._body_size = 0
 
@@ -174,8 +175,8 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._in_head:
             # httptools holds a header being received in its own buffer: bound what it may hold.
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD + self._max_body:
+            self._head_data += len(data)
+            if self._head_data > MAX_HEAD + self._max_body:
                 return self._refuse_and_close(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                                               f"request head over {MAX_HEAD} bytes")
         try:
@@ -196,7 +197,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._body_size = b"", {}, [], 0
-        self._header_count, self._in_head, self._head_bytes = 0, True, 0
+        self._header_count, self._header_bytes, self._in_head, self._head_data = 0, 0, True, 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -205,8 +206,8 @@ class HttpConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
-        self._head_bytes += len(name) + len(value)
-        if self._header_count > MAX_HEADERS or self._head_bytes > MAX_HEAD:
+        self._header_bytes += len(name) + len(value)
+        if self._header_count > MAX_HEADERS or self._header_bytes > MAX_HEAD:
             self._fail(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                        f"request headers over {MAX_HEADERS} or {MAX_HEAD} bytes")
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")

@@ -3,6 +3,7 @@ the secret gets more than a bounded share (launcher/http_connection.py limits)."
 
 from __future__ import annotations
 
+import base64
 import logging
 import socket
 import threading
@@ -14,9 +15,9 @@ import requests
 
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.hosts import SlotKey
-from lightning_elastic.launcher.http_connection import MAX_HEAD, MAX_PIPELINED, ConnectionLimits
+from lightning_elastic.launcher.http_connection import MAX_PIPELINED, ConnectionLimits
 from lightning_elastic.launcher.registry import Registry
-from lightning_elastic.launcher.rendezvous_server import MAX_BODY, RejectionLog, RendezvousServer
+from lightning_elastic.launcher.rendezvous_server import RejectionLog, RendezvousServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,26 +108,36 @@ def test_a_flood_that_never_reads_its_replies_does_not_starve_a_worker(service):
     assert statuses == [200] * 20
 
 
+@pytest.fixture(scope="module")
+def patient_service() -> Iterator[RendezvousServer]:
+    """Idle connections kept for a minute: whatever closes one sooner is another limit."""
+    srv = RendezvousServer(Registry(), SECRET, limits=ConnectionLimits(idle_timeout=60.0))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        closer = threading.Thread(target=srv.close, daemon=True)
+        closer.start()
+        closer.join(timeout=10)
+
+
 @pytest.mark.parametrize("start,filler", [(b"POST /", b"a"), (b"POST / HTTP/1.1\r\nX-Big: ", b"b"),
                                           (b"POST / HTTP/1.1\r\n", b"X-1: 1\r\n")],
                          ids=["request-line", "header", "header-count"])
-def test_an_endless_request_head_is_refused_and_closed(service, start, filler):
-    _, srv = service
-    sock = connect(srv)
-    sent = 0
+def test_an_endless_request_head_is_refused_and_closed(patient_service, start, filler):
+    sock = connect(patient_service)
+    sock.settimeout(5)
+    started = time.monotonic()
     try:
         sock.sendall(start)
-        with pytest.raises(OSError):  # the server closes it: a send fails (reset or broken pipe)
-            while sent < 10 * 2**20:
+        # Streamed until the service cuts it off: a send fails (reset or broken pipe),
+        # long before the minute of idle timeout and the 64 MiB offered.
+        with pytest.raises(OSError):
+            for _ in range(16 * 1024):
                 sock.sendall(filler * 4096)
-                sent += len(filler) * 4096
-        received = closed_by_peer(sock)
-    except OSError:
-        received = b""
     finally:
         sock.close()
-    assert sent <= 4 * MAX_HEAD + MAX_BODY + 2**20  # bounded, not the 10 MiB offered
-    assert received == b"" or received.split(b" ")[1] in (b"414", b"431")
+    assert time.monotonic() - started < 30
 
 
 def test_an_idle_unauthenticated_connection_is_closed(service):
@@ -180,3 +191,13 @@ def test_rejections_are_logged_at_a_bounded_rate(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     assert "9999 more since the last line" in lines[1]
+
+
+def test_a_large_signed_body_is_not_mistaken_for_a_long_head(service):
+    # gloo's bootstrap stores values of 154 + 8 N bytes: 33 KB at 4,096 ranks.
+    _, srv = service
+    value = base64.b64encode(b"x" * 30_000).decode()
+    body = p.to_json(p.StoreRequest("good", p.StoreOp.SET, key="round1/big", value=value))
+    r = requests.post(srv.url + p.PATH_STORE, data=body, headers=p.sign_request(SECRET, "POST", p.PATH_STORE, body),
+                      timeout=10)
+    assert r.status_code == 200, r.text
