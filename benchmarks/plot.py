@@ -3,7 +3,8 @@
     benchmarks/.venv/bin/python benchmarks/plot.py benchmarks/results/<date>.json [-o out.png]
 
 Bars are medians over trials, whiskers the range; recovery shows every trial as a dot
-(failed trials as crosses at the bound). Needs matplotlib (in benchmarks/.venv).
+(failed trials as crosses at the bound); goodput shows each run with kills against the same
+tool's failure-free run of the same trial. Needs matplotlib (in benchmarks/.venv).
 """
 
 from __future__ import annotations
@@ -87,6 +88,26 @@ def _transfer(results: dict) -> list[tuple]:
     return [(labels, samples, "GB/s", "joiner transfer, 2 workers (rank 1)")] if labels else []
 
 
+def _goodput(results: dict) -> list[tuple]:
+    """Goodput / the same tool's failure-free run, paired by trial (measure/goodput.py's report)."""
+    runs = results["runs"]
+    labels, samples = [], []
+    for key, run in runs.items():
+        if not run["period"] or not run["trials"]:
+            continue
+        # The same tool's failure-free run: le/loop/fresh/every-10s -> le/loop/none/none,
+        # torchft/every-10s -> torchft/none (measure/goodput.py's baseline_key).
+        elastic = run["tool"].startswith("le/")
+        base = key.rsplit("/", 2)[0] + "/none/none" if elastic else key.rsplit("/", 1)[0] + "/none"
+        baseline = runs.get(base, {}).get("trials", [])
+        ratios = [a["value"]["goodput"] / b["value"]["goodput"] for a, b in zip(run["trials"], baseline)
+                  if a["ok"] and b["ok"]]
+        labels.append(f"{run['label']}, SIGKILL every {run['period']:g} s")
+        samples.append(ratios)
+    return [(labels, samples, "goodput / failure-free run", f"goodput, {results['workers']} workers, "
+             f"{results['run_s']:.0f} s runs")] if labels else []
+
+
 def _recovery(ax: Any, results: dict) -> None:
     bound = results["bound_s"]
     tools = list(results["tools"].items())
@@ -112,7 +133,7 @@ def plot(document: dict, out: Path) -> None:
     plt = _pyplot()
     results = document["results"]
     panels: list[tuple] = []
-    for name, build in (("step", _step), ("commit", _commit), ("transfer", _transfer)):
+    for name, build in (("step", _step), ("commit", _commit), ("transfer", _transfer), ("goodput", _goodput)):
         if name in results:
             panels += build(results[name])
     count = len(panels) + ("recovery" in results)

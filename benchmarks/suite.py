@@ -4,6 +4,7 @@
     benchmarks/.venv/bin/python benchmarks/suite.py     # everything (both models; long)
     benchmarks/.venv/bin/python benchmarks/suite.py --quick                   # smoke run: small model, few trials
     benchmarks/.venv/bin/python benchmarks/suite.py --only step,recovery --models small
+    benchmarks/.venv/bin/python benchmarks/suite.py --only goodput --goodput-every 10,30 --goodput-trials 3
     benchmarks/.venv/bin/python benchmarks/plot.py benchmarks/results/<date>.json
 
 Measurements (each module's docstring says exactly what it does):
@@ -14,7 +15,11 @@ Measurements (each module's docstring says exactly what it does):
   elastic_hvd's step time committing every step vs never (a world of one);
 - ``transfer``  (measure/transfer.py): a joiner's ``state.sync()`` vs a raw broadcast, and its peak RSS;
 - ``recovery``  (measure/recovery.py): SIGKILL -> first step after, lightning-elastic vs torchrun
-  (and torchft when benchmarks/peers/torchft_recovery.py can run).
+  (and torchft when benchmarks/peers/torchft_recovery.py can run);
+- ``goodput``   (measure/goodput.py): a SIGKILL every 10 s (``--goodput-every``) for 90 s of training,
+  capacity returned by a fresh host, a spare listed or ``--spares``: samples kept per second
+  against the failure-free run, steps redone, time to the next round and back to full size;
+  torchrun (restart all, checkpoint every 10 steps) and torchft alike.
 
 Trials of the tools being compared are interleaved (trial 1 of each, then trial 2, ...).
 Every trial is kept, failed ones with their reason; results go to
@@ -40,9 +45,9 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import harness  # noqa: E402
-from measure import commit, recovery, step, transfer  # noqa: E402
+from measure import commit, goodput, recovery, step, transfer  # noqa: E402
 
-SECTIONS = ("step", "commit", "transfer", "recovery")
+SECTIONS = ("step", "commit", "transfer", "recovery", "goodput")
 MODELS = ("small", "100m")
 
 
@@ -57,6 +62,7 @@ class Config:
     recovery_trials: int  # lightning-elastic
     peer_trials: int  # torchrun, torchft
     recovery_bound: float
+    goodput: goodput.Settings
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
@@ -72,6 +78,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser.add_argument("--peer-trials", type=int, help="torchrun/torchft recovery trials (default 3; --quick 1)")
     parser.add_argument("--recovery-bound", type=float, default=120.0,
                         help="seconds to wait for a step after the kill before counting no recovery")
+    parser.add_argument("--goodput-every", default="10", metavar="SECONDS[,SECONDS...]",
+                        help="goodput: seconds between SIGKILLs, one run per value (default 10); "
+                             "the failure-free run is always added")
+    parser.add_argument("--goodput-duration", type=float, metavar="SECONDS",
+                        help="goodput: seconds of training per run (default 90; --quick 30)")
+    parser.add_argument("--goodput-trials", type=int, help="goodput: runs per variant (default 3; --quick 1)")
+    parser.add_argument("--goodput-modes", default=",".join(goodput.CAPACITY),
+                        help=f"goodput: capacity modes, a subset of {','.join(goodput.CAPACITY)} (default: all)")
+    parser.add_argument("--goodput-tools", default=",".join(goodput.TOOLS),
+                        help=f"goodput: a subset of {','.join(goodput.TOOLS)} (default: all)")
     parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/<date>.json)")
     parser.add_argument("--workdir", type=Path, help="keep every trial's logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -85,12 +101,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     def pick(value: int | None, full: int, quick: int) -> int:
         return value if value is not None else (quick if args.quick else full)
 
+    try:
+        periods = tuple(float(p) for p in args.goodput_every.split(",") if p)
+    except ValueError:
+        parser.error(f"--goodput-every: expected seconds separated by commas, got {args.goodput_every!r}")
+    if not periods or any(p <= 0 for p in periods):
+        parser.error(f"--goodput-every: expected positive seconds, got {args.goodput_every!r}")
+    modes = tuple(m for m in args.goodput_modes.split(",") if m)
+    if bad := [m for m in modes if m not in goodput.CAPACITY]:
+        parser.error(f"--goodput-modes: unknown mode(s) {', '.join(bad)}; choose from {', '.join(goodput.CAPACITY)}")
+    tools = tuple(t for t in args.goodput_tools.split(",") if t)
+    if bad := [t for t in tools if t not in goodput.TOOLS]:
+        parser.error(f"--goodput-tools: unknown tool(s) {', '.join(bad)}; choose from {', '.join(goodput.TOOLS)}")
+
     config = Config(
         only=only, models=models,
         step_trials=pick(args.trials, 5, 2), commit_repeats=pick(args.commit_repeats, 10, 3),
         commit_trials=pick(args.trials, 5, 2), transfer_repeats=pick(args.transfer_repeats, 5, 2),
         recovery_trials=pick(args.recovery_trials, 10, 2), peer_trials=pick(args.peer_trials, 3, 1),
         recovery_bound=args.recovery_bound,
+        goodput=goodput.Settings(periods=periods, duration=pick(args.goodput_duration, 90, 30),
+                                 trials=pick(args.goodput_trials, 3, 1), modes=modes, bound=args.recovery_bound,
+                                 tools=tools),
     )
     return config, args
 
@@ -123,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.progress(f"results: {out_path}; trial logs: {workdir}")
     started = time.monotonic()
     reports: dict[str, str] = {}
-    modules = {"step": step, "commit": commit, "transfer": transfer, "recovery": recovery}
+    modules = {"step": step, "commit": commit, "transfer": transfer, "recovery": recovery, "goodput": goodput}
     try:
         for section in config.only:
             section_started = time.monotonic()
@@ -133,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = commit.run(config.models, config.commit_repeats, config.commit_trials, workdir, args.quick)
             elif section == "transfer":
                 result = transfer.run(config.models, config.transfer_repeats, workdir)
+            elif section == "goodput":
+                result = goodput.run(config.goodput, workdir)
             else:
                 result = recovery.run(config.recovery_trials, config.peer_trials, workdir, config.recovery_bound)
             result["duration_s"] = round(time.monotonic() - section_started, 1)

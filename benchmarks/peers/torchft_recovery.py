@@ -98,11 +98,12 @@ class Trial:
     def __init__(self, directory: Path, lighthouse: dict, replica: dict) -> None:
         self.dir = directory
         self.log_dir = directory / "steps"
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []  # the lighthouse first
         self._lighthouse_opts, self._replica_opts = lighthouse, replica
+        self._env: dict[str, str] = {}
 
     def _spawn(self, cmd: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
-        with open(self.dir / f"{name}.log", "wb") as out:
+        with open(self.dir / f"{name}.log", "ab") as out:  # a restarted replica appends
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, env=env)
         self.procs.append(proc)
@@ -118,11 +119,14 @@ class Trial:
             raise RuntimeError(f"torchft lighthouse did not start; see {log}")
         address = f"http://127.0.0.1:{int(port().group(1))}"
         # What torchrun would set for each replica group: one thread per process on 2 cores.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": address}
-        return [self._spawn([sys.executable, str(LOOP), "--replica-id", str(i), "--num-replicas", str(REPLICAS),
-                             "--steps", "1000000", "--log-dir", str(self.log_dir),
-                             *_flags(self._replica_opts, "python")], f"replica-{i}", env)
-                for i in range(REPLICAS)]
+        self._env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": address}
+        return [self.start_replica(i) for i in range(REPLICAS)]
+
+    def start_replica(self, i: int) -> subprocess.Popen:
+        """Replica group ``i`` (again, after a loss: as torchrun ``--max-restarts`` restarts a group)."""
+        return self._spawn([sys.executable, str(LOOP), "--replica-id", str(i), "--num-replicas", str(REPLICAS),
+                            "--steps", "1000000", "--log-dir", str(self.log_dir),
+                            *_flags(self._replica_opts, "python")], f"replica-{i}", self._env)
 
     def stop(self) -> None:
         """SIGKILL every process group of the trial; wait until none of their processes is left."""

@@ -11,6 +11,10 @@ host check every step) unless ``--commit-every`` / ``--check-every`` are given. 
 completed training step (``on_train_batch_end``, after the elastic callback's commit or
 check) appends a record to ``--log-dir`` (steplog). No logger, checkpointing, progress bar
 or validation; the training DataLoader has no shuffle, the strategy installs its sampler.
+
+With ``ddp``, ``--checkpoint-dir D`` is what a torchrun user does to survive a restart: a
+``ModelCheckpoint(dirpath=D, every_n_train_steps=--checkpoint-every, save_last=True,
+save_top_k=0)`` (only ``D/last.ckpt``), and ``fit(ckpt_path=D/last.ckpt)`` when it exists.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import _shared as sh
@@ -74,6 +79,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--commit-every", type=int, help="elastic_hvd: commit every N steps (default: the callback's)")
     parser.add_argument("--check-every", type=int, help="elastic_hvd: check hosts every N steps (default: the callback's)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="ddp: checkpoint to, and resume from, D/last.ckpt")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="with --checkpoint-dir: steps between saves")
     parser.add_argument("--log-dir", type=Path, required=True)
     args = parser.parse_args()
     spec = sh.spec(args.model)
@@ -81,15 +88,22 @@ def main() -> None:
     if args.strategy == "elastic_hvd":
         callbacks.append(elastic_callback(args.commit_every, args.check_every))
     callbacks.append(StepRecorder(args.log_dir))
+    resume = None
+    if args.checkpoint_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=args.checkpoint_every,
+                                         save_last=True, save_top_k=0))
+        last = args.checkpoint_dir / "last.ckpt"
+        resume = str(last) if last.exists() else None
     # ddp under torchrun: one device per process torchrun started on this machine.
     devices: Any = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if args.strategy == "ddp" else "auto"
     trainer = pl.Trainer(
         strategy=args.strategy, accelerator="cpu", devices=devices, max_steps=args.steps, callbacks=callbacks,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=args.checkpoint_dir is not None, enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     loader = DataLoader(TensorDataset(*sh.random_data(spec)), batch_size=spec.batch, shuffle=False)
-    trainer.fit(Module(spec), train_dataloaders=loader)
+    trainer.fit(Module(spec), train_dataloaders=loader, ckpt_path=resume)
 
 
 if __name__ == "__main__":
