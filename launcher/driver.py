@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import resource
 import secrets
 import signal
 import sys
@@ -153,6 +154,7 @@ class Driver:
 
     def run(self) -> JobResult:
         c = self._config
+        raise_descriptor_limit()
         self._events.emit("job_started", np=c.np, min_np=c.min_np, max_np=c.max_np)
         try:
             first = self._discovery.start()
@@ -171,6 +173,10 @@ class Driver:
             verdict = policy.Verdict(False, str(err))
         except _Stop:
             verdict = policy.Verdict(False, f"interrupted by {self._stop_signal}: stopped every worker")
+        except Exception as err:  # noqa: BLE001 - crash-only: a bug of ours still ends in a verdict
+            log.exception("The driver failed; stopping every worker.")
+            verdict = policy.Verdict(False, f"the driver failed: {type(err).__name__}: {err} (a bug: the traceback "
+                                            "is above; please report it)")
         finally:
             self._shutdown()
         return self._result(verdict)
@@ -522,14 +528,22 @@ class Driver:
             reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was killed: {why}")  # type: ignore[union-attr]
 
     def _late_for_rendezvous(self, record: WorkerRecord, now: float) -> bool:
-        """A member still away from the rendezvous long after its round was reset.
+        """A member still away from the rendezvous long after its round lost a member.
 
         Heartbeats prove the process is alive, not that it will ever come back (a loop
-        with no collective never notices a broken round): bound that wait too.
+        with no collective never notices a broken round): bound that wait too. Not after
+        a host change announced to a healthy round: a member comes back at its next check
+        of host updates, which may be a long validation pass or an epoch away; while it
+        heartbeats it is training, and killing it would throw away the live state and
+        blacklist a healthy host. (Its peers wait in the same collective check, so the
+        round re-forms when it comes.)
         """
         since = self._reset_pending_since
+        current = self._registry.round
         return (
             since is not None
+            and current is not None
+            and current.number in self._registry.broken_rounds
             and record.state == WorkerState.MEMBER
             and now - since > self._config.timeouts.worker_arrival
         )
@@ -694,6 +708,18 @@ class Driver:
         self._events.round_formed(
             info.number, [{"rank": a.rank, "worker": r.worker_id, "host": r.slot.host} for r, a in members])
         return None
+
+
+def raise_descriptor_limit() -> None:
+    """Raise the soft limit on open descriptors to the hard one. The driver holds one or
+    two per worker (its connections, its output pipe; three for an ssh worker): the usual
+    soft limit of 1024 ends a job of a few hundred workers with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as err:
+            log.warning("Could not raise the open-file limit from %d to %d: %s.", soft, hard, err)
 
 
 def make_discovery(config: LaunchConfig) -> HostDiscovery:

@@ -29,12 +29,15 @@ come from their own clocks, and the driver's monotonic clock means nothing to th
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 FILE_NAME = "events.jsonl"
+
+log = logging.getLogger("lightning_elastic.driver")
 
 
 class EventLog:
@@ -43,6 +46,7 @@ class EventLog:
     def __init__(self, directory: Path | None, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._file: IO[str] | None = None
+        self._path = directory / FILE_NAME if directory is not None else None
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
             self._file = open(directory / FILE_NAME, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -55,8 +59,21 @@ class EventLog:
         if self._file is None:
             return
         record = {"time": round(fields.pop("time", None) or self._clock(), 6), "kind": kind, **fields}
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._file.flush()
+        except OSError as err:
+            # A full disk or a file-size limit costs the timeline, never the job.
+            log.warning("The job's timeline stops here: %s could not be written (%s).", self._path, err)
+            self._give_up()
+
+    def _give_up(self) -> None:
+        file, self._file = self._file, None
+        try:
+            if file is not None:
+                file.close()
+        except OSError:
+            pass  # its buffer could not be flushed either
 
     def host_change_announced(self, round_number: int, generation: int) -> None:
         self.emit("reset_announced", round=round_number, generation=generation)
@@ -98,9 +115,7 @@ class EventLog:
         return cause
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._give_up()
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

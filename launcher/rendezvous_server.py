@@ -9,7 +9,7 @@ signed so workers can trust them. Nothing is unpickled.
 from __future__ import annotations
 
 import asyncio
-import heapq
+import collections
 import logging
 import socket
 import threading
@@ -19,7 +19,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-from lightning_elastic.launcher.http_connection import HttpConnection, HttpRequest, HttpResponse
+from lightning_elastic.launcher.http_connection import ConnectionLimits, HttpConnection, HttpRequest, HttpResponse
 from lightning_elastic.launcher.long_poll import LongPoll, LoopWaker
 from lightning_elastic.launcher.registry import Registry, UnknownWorker
 from lightning_elastic.launcher.store_service import KeyValueStore
@@ -78,8 +78,10 @@ class RendezvousServer:
     def __init__(
         self, registry: Registry, secret: str, host: str = "127.0.0.1", *,
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         store: KeyValueStore | None = None,
         listen_queue: int = 1024,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self._registry = registry
         self._store = store if store is not None else KeyValueStore()
@@ -87,15 +89,15 @@ class RendezvousServer:
         self._host = host
         self._listen_queue = listen_queue  # see listen_queue_for
         self._wall_clock = wall_clock  # wall time: it is compared with other hosts' clocks
+        self._clock = clock  # how long a nonce is remembered: immune to clock steps
         self._seen_nonces: set[str] = set()
-        self._nonce_expiry: list[tuple[int, str]] = []  # heap of (request timestamp, nonce)
-        # Oldest timestamp still accepted; it never moves back, even if the wall clock steps
-        # back, so a nonce forgotten below it can never be replayed.
-        self._oldest_accepted = float("-inf")
+        self._nonce_expiry: collections.deque[tuple[float, str]] = collections.deque()  # (forget at, nonce)
         self._address: tuple[str, int] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waker: LoopWaker | None = None
         self._connections: set[HttpConnection] = set()
+        self._limits = limits if limits is not None else ConnectionLimits()
+        self._rejections = RejectionLog(clock)
         self._thread: threading.Thread | None = None
         self._routes: dict[str, Route] = {
             p.PATH_RENDEZVOUS: (p.RendezvousRequest, self._registry.rendezvous_poll),
@@ -106,6 +108,10 @@ class RendezvousServer:
             p.PATH_STORE: (p.StoreRequest, self._store.poll),
         }
         self.rejected = 0  # requests refused for auth or form; shown in the job summary
+
+    @property
+    def unauthenticated_connections(self) -> int:
+        return len(self._limits)
 
     @property
     def port(self) -> int:
@@ -130,8 +136,9 @@ class RendezvousServer:
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._waker = LoopWaker(loop)
+        loop.set_exception_handler(self._loop_error)
         listening = loop.run_until_complete(loop.create_server(
-            lambda: HttpConnection(self._dispatch, self._refuse, MAX_BODY, self._connections),
+            lambda: HttpConnection(self._dispatch, self._refuse, MAX_BODY, self._connections, self._limits),
             sock=sock, backlog=self._listen_queue,  # asyncio listens again: with this queue, not its 100
         ))
         self._thread = threading.Thread(target=self._serve, args=(loop, listening), name="rendezvous", daemon=True)
@@ -159,6 +166,7 @@ class RendezvousServer:
             # Also right after start(): a stop queued before run_forever begins ends it at once.
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        self._rejections.flush()
 
     # ----- one request -------------------------------------------------------------------
 
@@ -211,37 +219,80 @@ class RendezvousServer:
 
     def _count_rejection(self, status: HTTPStatus, why: str, what: str) -> None:
         self.rejected += 1
-        log.warning("Rendezvous service rejected %s: %d %s", what or "a request", status, why)
+        self._rejections.note(f"{what or 'a request'}: {status.value} {why}")
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio's own errors (an accept that failed for want of descriptors, retried a
+        second later): one line per interval, never a traceback per attempt."""
+        error = context.get("exception")
+        self._rejections.note(f"{context.get('message', 'event loop error')}"
+                              f"{f': {type(error).__name__}: {error}' if error else ''}", kind="service error")
 
     def _response(self, status: HTTPStatus, message: Any, nonce: str | None) -> HttpResponse:
         body = p.to_json(message)
         headers: tuple[tuple[str, str], ...] = ((p.HEADER_PROTOCOL, _VERSION),)
         if nonce is not None:
             headers += ((p.HEADER_SIGNATURE, p.sign_reply(self._secret, status, nonce, body)),)
-        return HttpResponse(status, body, headers)
+        return HttpResponse(status, body, headers, authenticated=nonce is not None)
 
     def _admit(self, auth: p.RequestAuth) -> str | None:
         """Why a correctly signed request is refused (stale or replayed), or None to admit it.
 
-        Only verified nonces are remembered, so forged requests cannot fill the cache.
+        A request's timestamp must lie within TIMESTAMP_WINDOW of the driver's wall clock
+        now, in either direction, so a step of that clock (an NTP correction, forward or
+        back) locks nobody out once it is corrected. A nonce is remembered for twice the
+        window of *monotonic* time: a replay is refused by its nonce while its timestamp
+        could still pass, and by its timestamp afterwards, unless the wall clock itself
+        stepped back by more than the window in between. Only verified nonces are
+        remembered, so forged requests cannot fill the cache.
         """
         now = self._wall_clock()
         # Only the service's loop thread admits requests: no lock.
-        self._oldest_accepted = max(self._oldest_accepted, now - TIMESTAMP_WINDOW)
-        if not self._oldest_accepted <= auth.timestamp <= now + TIMESTAMP_WINDOW:
+        if not abs(auth.timestamp - now) <= TIMESTAMP_WINDOW:
             return f"timestamp outside {TIMESTAMP_WINDOW:g} s of the driver's clock (clock skew?)"
-        # A nonce older than the window is refused by its timestamp alone: forget it.
-        while self._nonce_expiry and self._nonce_expiry[0][0] < self._oldest_accepted:
-            self._seen_nonces.discard(heapq.heappop(self._nonce_expiry)[1])
+        tick = self._clock()
+        # In order of arrival, hence of expiry: a deque, not a heap.
+        while self._nonce_expiry and self._nonce_expiry[0][0] <= tick:
+            self._seen_nonces.discard(self._nonce_expiry.popleft()[1])
         if auth.nonce in self._seen_nonces:
             return "replayed request (nonce already seen)"
         self._seen_nonces.add(auth.nonce)
-        heapq.heappush(self._nonce_expiry, (auth.timestamp, auth.nonce))
+        self._nonce_expiry.append((tick + 2 * TIMESTAMP_WINDOW, auth.nonce))
         return None
 
     def _report(self, report: p.Report) -> p.Ack:
         self._registry.report(report)
         return p.Ack()
+
+
+class RejectionLog:
+    """Rejected requests said at a bounded rate: the first one at once, then one line per
+    ``interval`` with how many followed and the latest. A flood of unsigned requests must
+    not become a flood of log lines (nor block the loop on a slow stderr)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, interval: float = 10.0) -> None:
+        self._clock = clock
+        self._interval = interval
+        self._said_at = float("-inf")
+        self._since: dict[str, int] = {}  # kind -> count not yet said
+        self._latest: dict[str, str] = {}
+
+    def note(self, what: str, kind: str = "rejected") -> None:
+        now = self._clock()
+        if now - self._said_at >= self._interval:
+            self._said_at = now
+            held = self._since.pop(kind, 0)
+            more = f" ({held} more since the last line, the latest: {self._latest.pop(kind)})" if held else ""
+            log.warning("Rendezvous service %s %s%s", kind, what, more)
+        else:
+            self._since[kind] = self._since.get(kind, 0) + 1
+            self._latest[kind] = what
+
+    def flush(self) -> None:
+        """Say what is held (at shutdown)."""
+        for kind in list(self._since):
+            log.warning("Rendezvous service %s %d more request(s) in the last %.0f s; the latest: %s",
+                        kind, self._since.pop(kind), self._interval, self._latest.pop(kind))
 
 
 class _SignedHeaders(Mapping[str, str]):

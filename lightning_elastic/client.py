@@ -66,6 +66,9 @@ class DriverClient:
         self._url = url.rstrip("/")
         self._secret = secret
         self._session = requests.Session()
+        # Never through a proxy from the login environment (http_proxy is common on
+        # clusters): the driver is reached directly, and long polls must not be relayed.
+        self._session.trust_env = False
 
     def rendezvous(self, after_round: int) -> p.RendezvousReply:
         return self._post(p.PATH_RENDEZVOUS, p.RendezvousRequest(self.worker_id, after_round),

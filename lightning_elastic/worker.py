@@ -65,7 +65,7 @@ class SlotInfo:
 @dataclasses.dataclass(frozen=True)
 class WorkerSettings:
     driver_url: str
-    secret: str
+    secret: str = dataclasses.field(repr=False)  # never in a log line or a traceback
     worker_id: str
     hostname: str
     heartbeat_interval: float

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -32,7 +33,7 @@ class WorkerSpec:
     host: str
     command: tuple[str, ...]
     env: Mapping[str, str]
-    secret: str
+    secret: str = dataclasses.field(repr=False)  # never in a log line or a traceback
     cwd: str
     log_file: Path | None = None
 
@@ -91,17 +92,24 @@ def stop_all(processes: Sequence[WorkerProcess], grace: float) -> None:
     """SIGTERM every process, then SIGKILL those still running after ``grace`` seconds.
 
     SIGTERM first lets a worker clean up (close files, leave its process group); SIGKILL
-    after a bound because a hung or SIGSTOPped worker would never act on SIGTERM.
+    after a bound because a hung or SIGSTOPped worker would never act on SIGTERM. Every
+    process gets the same grace at once: one deadline for all, not one after another (64
+    workers stuck in a collective would otherwise take 64 graces).
     """
     running = [p for p in processes if p.poll() is None]
     for p in running:
         p.signal(signal.SIGTERM)
         p.signal(signal.SIGCONT)  # a stopped process only sees SIGTERM once continued
-    for p in running:
-        if p.wait(grace) is None:
-            log.warning("Worker process %d ignored SIGTERM for %.0f s: killing it.", p.pid, grace)
+    deadline = time.monotonic() + grace
+    hung = [p for p in running if p.wait(max(0.0, deadline - time.monotonic())) is None]
+    if hung:
+        log.warning("%d worker process(es) ignored SIGTERM for %.0f s: killing them (pid %s).",
+                    len(hung), grace, ", ".join(str(p.pid) for p in hung))
+        for p in hung:
             p.signal(signal.SIGKILL)
-            p.wait(grace)
+        deadline = time.monotonic() + grace
+        for p in hung:
+            p.wait(max(0.0, deadline - time.monotonic()))
     for p in processes:
         p.finish_output()
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -109,6 +110,34 @@ def as_sink(out: IO[str] | OutputSink | None) -> OutputSink:
     return out if isinstance(out, OutputSink) else OutputSink(out)
 
 
+# The most of one line held in memory: a longer one is forwarded in pieces of this size.
+MAX_LINE = 64 * 1024
+_PIECE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
+
+
+def segments(stream: IO[bytes], max_line: int = MAX_LINE) -> Iterator[bytes]:
+    """What a terminal would show, piece by piece: lines ending in ``\n``, and progress
+    updates ending in ``\r`` (tqdm redraws its bar so), each at most ``max_line`` bytes.
+    A progress bar never ends a line: read by lines, it would be held whole in memory.
+    """
+    pending = b""
+    while True:
+        chunk = stream.read1(max_line) if hasattr(stream, "read1") else stream.read(max_line)
+        if not chunk:
+            break
+        pending += chunk
+        end = 0
+        for piece in _PIECE.finditer(pending):
+            yield piece.group()
+            end = piece.end()
+        pending = pending[end:]
+        while len(pending) >= max_line:
+            yield pending[:max_line]
+            pending = pending[max_line:]
+    if pending:
+        yield pending
+
+
 class LineForwarder:
     def __init__(
         self, stream: IO[bytes], prefix: Callable[[], str], log_file: Path | None, sink: OutputSink, name: str
@@ -130,14 +159,18 @@ class LineForwarder:
 
     def _forward(self) -> None:
         try:
-            for raw in iter(self._stream.readline, b""):
+            for raw in segments(self._stream):
                 line = raw.decode(errors="replace")
-                if not line.endswith("\n"):
+                if not line.endswith(("\n", "\r")):
                     line += "\n"
                 if not self._sink.closed:
                     self._sink.write(f"{self._prefix()}{line}")
                 self._write_log(line)
         finally:
+            # EOF: the worker and whatever it started have closed the pipe. Our end goes
+            # too, so a job that replaces workers for weeks holds no descriptor per worker.
+            with contextlib.suppress(OSError):
+                self._stream.close()
             if self._log:
                 with contextlib.suppress(*WRITE_ERRORS):
                     self._log.close()

@@ -13,6 +13,7 @@ supervisor SIGKILL the worker, so no remote worker outlives the driver.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -158,6 +159,9 @@ class SshProcess:
 
     def _final_status(self) -> int:
         self._control.join(2.0)  # the status line may still be in the pipe
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()  # ssh has exited: nothing more to send it
         if self._status is not None:
             return self._status
         if self._killed:
@@ -178,3 +182,5 @@ class SshProcess:
             elif line:
                 self._stderr = [*self._stderr[-STDERR_KEPT:], line]
                 log.debug("ssh %s: %s", self._host, line)
+        with contextlib.suppress(OSError):
+            self._proc.stderr.close()  # EOF: no descriptor kept per finished worker

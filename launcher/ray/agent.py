@@ -35,6 +35,24 @@ RESULT_FILE = "result.pkl"
 AUTOLOAD_DIR = os.path.join(os.path.dirname(os.path.abspath(protocol.__file__)), "_autoload")
 
 
+def node_pythonpath(pythonpath: str | None) -> str:
+    """The worker's ``PYTHONPATH`` on this node: this node's own install registers the
+    Lightning strategy, wherever the driver's lies.
+
+    The driver puts its install's ``lightning_elastic/_autoload`` first on every worker's
+    ``PYTHONPATH``; on a Ray node that path names the driver's machine, which may be another
+    install of the package here or none. It is replaced by this node's, so that one copy of
+    the ``sitecustomize`` runs in the worker, the one that matches the package it imports.
+    """
+    kept = [entry for entry in (pythonpath or "").split(os.pathsep) if entry and not _is_autoload_dir(entry)]
+    return os.pathsep.join([AUTOLOAD_DIR, *kept])
+
+
+def _is_autoload_dir(entry: str) -> bool:
+    path = os.path.normpath(entry)
+    return os.path.basename(path) == "_autoload" and os.path.basename(os.path.dirname(path)) == "lightning_elastic"
+
+
 @dataclasses.dataclass(frozen=True)
 class OutputChunk:
     """What one ``read`` returns: output bytes, and the exit status once the child has ended."""
@@ -61,9 +79,7 @@ class WorkerAgent:
     ) -> int:
         """Start the worker; returns its pid on this node. Raises OSError if it cannot start."""
         child_env = {**os.environ, **env}
-        # This node's own install of the package registers the Lightning strategy, wherever
-        # the driver's lies.
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [AUTOLOAD_DIR, child_env.get("PYTHONPATH")]))
+        child_env["PYTHONPATH"] = node_pythonpath(child_env.get("PYTHONPATH"))
         if "MASTER_ADDR" in child_env:  # collectives go out through the interface that reaches the driver
             child_env.update(collective_interface_env(child_env, child_env["MASTER_ADDR"]))
         if function is not None:

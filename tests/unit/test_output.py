@@ -179,3 +179,22 @@ def test_flush_or_discard_leaves_no_failing_flush_behind():
     flush_or_discard(live)
     flush_or_discard(None)  # no stream at all (pythonw): nothing to do
     assert live.getvalue() == "kept"
+
+
+# ----- progress bars and endless lines --------------------------------------------------
+
+
+def test_progress_updates_are_forwarded_as_a_terminal_shows_them():
+    from lightning_elastic.launcher.processes.output import segments
+
+    stream = io.BufferedReader(io.BytesIO(b"epoch 0\n 10%|#  \r 20%|##  \r 30%|### \r\ndone"))
+    assert list(segments(stream)) == [b"epoch 0\n", b" 10%|#  \r", b" 20%|##  \r", b" 30%|### \r\n", b"done"]
+
+
+def test_an_endless_line_is_forwarded_in_bounded_pieces():
+    from lightning_elastic.launcher.processes.output import segments
+
+    stream = io.BufferedReader(io.BytesIO(b"x" * 1000 + b"\n"), buffer_size=64)
+    pieces = list(segments(stream, max_line=256))
+    assert b"".join(pieces) == b"x" * 1000 + b"\n"
+    assert max(map(len, pieces)) < 2 * 256  # held in memory: at most two reads

@@ -9,6 +9,7 @@ the actor wraps, exercised in this process with a real child.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -23,7 +24,7 @@ from lightning_elastic.worker import ElasticWorker, WorkerSettings
 
 ray = pytest.importorskip("ray")
 
-from lightning_elastic.launcher.ray.agent import WorkerAgent  # noqa: E402
+from lightning_elastic.launcher.ray.agent import AUTOLOAD_DIR, WorkerAgent, node_pythonpath  # noqa: E402
 from lightning_elastic.launcher.ray.nodes import host_name, slots_on  # noqa: E402
 
 
@@ -128,3 +129,29 @@ def test_the_agent_runs_in_its_own_directory_when_the_drivers_is_missing(tmp_pat
     agent.start([sys.executable, "-c", "import os; print(os.getcwd())"], {}, "s", str(tmp_path / "not-here"))
     output, status = read_to_end(agent)
     assert status == 0 and output.decode().strip() == os.getcwd()
+
+
+def test_the_agent_replaces_the_drivers_autoload_with_the_nodes_own(tmp_path):
+    # The driver's install lies elsewhere than this node's: its _autoload folder comes first
+    # on the PYTHONPATH the driver sends. Two copies of the sitecustomize chained to each
+    # other until RecursionError, printed by every worker.
+    driver_autoload = tmp_path / "driver-venv" / "lightning_elastic" / "_autoload"
+    driver_autoload.mkdir(parents=True)
+    shutil.copy(AUTOLOAD_DIR + "/sitecustomize.py", driver_autoload)
+    shutil.copy(os.path.dirname(AUTOLOAD_DIR) + "/import_hook.py", driver_autoload.parent)
+    users = tmp_path / "users-code"
+    env = {"PYTHONPATH": os.pathsep.join([str(driver_autoload), str(users)]), p.ENV_DRIVER_URL: "http://127.0.0.1:9"}
+    agent = WorkerAgent()
+    agent.start([sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"], env, "s", str(tmp_path))
+    output, status = read_to_end(agent)
+    assert status == 0, output
+    assert output.decode().splitlines() == [os.pathsep.join([AUTOLOAD_DIR, str(users)])]
+
+
+def test_the_nodes_pythonpath_keeps_the_users_entries_in_order():
+    assert node_pythonpath(None) == AUTOLOAD_DIR
+    assert node_pythonpath("") == AUTOLOAD_DIR
+    other = "/elsewhere/venv/lib/python3.11/site-packages/lightning_elastic/_autoload"
+    assert node_pythonpath(os.pathsep.join([other, "/a", AUTOLOAD_DIR, "/b/_autoload", "/c"])) == os.pathsep.join(
+        [AUTOLOAD_DIR, "/a", "/b/_autoload", "/c"]
+    )

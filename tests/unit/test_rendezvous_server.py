@@ -285,9 +285,17 @@ def test_refusal_of_an_authenticated_request_is_signed(server, path, body, statu
 class WallClock:
     def __init__(self) -> None:
         self.now = 1_700_000_000.0
+        self.elapsed = 0.0  # monotonic: only time passing moves it
 
     def __call__(self) -> float:
         return self.now
+
+    def monotonic(self) -> float:
+        return self.elapsed
+
+    def pass_time(self, seconds: float) -> None:
+        self.now += seconds
+        self.elapsed += seconds
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +304,9 @@ def clocked_service() -> Iterator[tuple[Registry, RendezvousServer, WallClock]]:
     reg = Registry()
     with reg.cond:
         reg.add_worker("cw", SlotKey("127.0.0.1", 0))
-    srv = RendezvousServer(reg, SECRET, wall_clock=clock)
+    # The wall clock moved by hand; the monotonic one follows it forward only (as time
+    # passing does), never back (as a step of the wall clock does not move it).
+    srv = RendezvousServer(reg, SECRET, wall_clock=clock, clock=clock.monotonic)
     srv.start()
     try:
         yield reg, srv, clock
@@ -311,7 +321,7 @@ def clocked(clocked_service) -> tuple[RendezvousServer, WallClock, Callable[[], 
     """The clocked server, its clock moved a day past anything an earlier test used, and a
     count of its rejections since the test started."""
     _, srv, clock = clocked_service
-    clock.now += 86_400
+    clock.pass_time(86_400)
     baseline = srv.rejected
     return srv, clock, lambda: srv.rejected - baseline
 
@@ -342,28 +352,40 @@ def test_timestamp_outside_the_window_is_401_signed_and_counted(clocked, offset)
     assert rejected() == 1
 
 
-def test_seen_nonces_are_forgotten_once_outside_the_window(clocked):
+def test_seen_nonces_are_forgotten_after_twice_the_window(clocked):
     srv, clock, _ = clocked
     start = clock.now
     for _ in range(3):
         assert _clocked_heartbeat(srv, start)[0].status_code == 200
     assert len(srv._seen_nonces) >= 3
-    clock.now = start + TIMESTAMP_WINDOW + 1
+    clock.pass_time(2 * TIMESTAMP_WINDOW + 1)
     assert _clocked_heartbeat(srv, clock.now)[0].status_code == 200
     assert len(srv._seen_nonces) == len(srv._nonce_expiry) == 1  # only the newest remains
 
 
-def test_forgotten_nonce_cannot_be_replayed_even_if_the_clock_steps_back(clocked):
+def test_a_replay_is_refused_however_the_wall_clock_steps(clocked):
     srv, clock, rejected = clocked
     start = clock.now
     first, headers = _clocked_heartbeat(srv, start)
     assert first.status_code == 200
-    clock.now = start + TIMESTAMP_WINDOW + 1
-    assert _clocked_heartbeat(srv, clock.now)[0].status_code == 200  # prunes the first nonce
-    clock.now = start  # e.g. an NTP step back: the first request's timestamp is "recent" again
-    replay, _ = _clocked_heartbeat(srv, start, headers=headers)
-    assert replay.status_code == 401
-    assert rejected() == 1
+    for step in (TIMESTAMP_WINDOW + 1, -TIMESTAMP_WINDOW - 1, 0):  # NTP steps: the nonce is still known
+        clock.now = start + step
+        replay, _ = _clocked_heartbeat(srv, start, headers=headers)
+        assert replay.status_code == 401
+    assert rejected() == 3
+
+
+@pytest.mark.parametrize("step", [600.0, -600.0], ids=["forward", "back"])
+def test_a_driver_clock_step_and_its_correction_lock_nobody_out(clocked, step):
+    srv, clock, rejected = clocked
+    start = clock.now
+    clock.now = start + step  # one request served while the clock was wrong
+    assert _clocked_heartbeat(srv, clock.now)[0].status_code == 200
+    clock.now = start  # corrected: the workers' correctly stamped requests pass again
+    for _ in range(3):
+        clock.pass_time(1.0)
+        assert _clocked_heartbeat(srv, clock.now)[0].status_code == 200
+    assert rejected() == 0
 
 
 # ----- the client: signs its requests, checks the replies -------------------------------
