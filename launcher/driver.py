@@ -715,11 +715,12 @@ def raise_descriptor_limit() -> None:
     two per worker (its connections, its output pipe; three for an ssh worker): the usual
     soft limit of 1024 ends a job of a few hundred workers with EMFILE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20  # the kernel refuses "unlimited" here
+    if soft != resource.RLIM_INFINITY and soft < wanted:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
         except (ValueError, OSError) as err:
-            log.warning("Could not raise the open-file limit from %d to %d: %s.", soft, hard, err)
+            log.warning("Could not raise the open-file limit from %d to %d: %s.", soft, wanted, err)
 
 
 def make_discovery(config: LaunchConfig) -> HostDiscovery:
