@@ -13,6 +13,7 @@ from lightning_elastic.launcher.config import LaunchConfig, RaySettings, SshSett
 from lightning_elastic.launcher.driver import launch
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.hosts import HostSlots, count_slots, parse_host_list
+from lightning_elastic.launcher.log_writer import BackgroundStreamHandler
 from lightning_elastic.launcher.processes.output import WRITE_ERRORS, flush_or_discard
 
 PROG = "lightning-elastic"
@@ -189,23 +190,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verb == "timeline":
         return draw_timeline(args.log_dir, args.output)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="lightning-elastic %(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    # Written by a thread of its own: the driver logs while the service waits on it, and a
+    # stderr that stops draining must not stop the driver (launcher/log_writer.py).
+    log_output = BackgroundStreamHandler(sys.stderr)
+    log_output.setFormatter(logging.Formatter("lightning-elastic %(asctime)s %(levelname)s %(message)s",
+                                              datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[log_output])
     try:
         config = config_from_args(args)
     except ConfigError as err:
+        log_output.flush_within(10.0)
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     try:
         result = launch(config)
     except ConfigError as err:  # found before any worker started (a Ray cluster that cannot be reached)
+        log_output.flush_within(10.0)
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     verdict = "succeeded" if result.success else "failed"
+    log_output.flush_within(10.0)  # the log's last lines before the summary
     try:
         print(result.summary(), file=sys.stderr)
         print(f"{PROG}: job {verdict}: {result.reason}", file=sys.stderr)

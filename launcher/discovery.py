@@ -17,6 +17,9 @@ from lightning_elastic.launcher.hosts import HostSlots, parse_discovery_output
 log = logging.getLogger(__name__)
 
 SCRIPT_TIMEOUT = 30.0  # a discovery script that runs longer than this has failed
+# Once the script has exited or been killed, how long its output may still take to close: a
+# process it started in a session of its own (a daemon) can hold the pipe for ever.
+OUTPUT_GRACE = 1.0
 
 
 class HostDiscovery(Protocol):
@@ -62,10 +65,17 @@ class ScriptDiscovery:
                 )
                 self._running = proc
             try:
-                stdout, stderr = proc.communicate(timeout=SCRIPT_TIMEOUT)
+                stdout, stderr = proc.communicate(timeout=SCRIPT_TIMEOUT)  # reads as it runs: no full pipe
             except subprocess.TimeoutExpired:
+                exited = proc.poll() is not None
                 _kill_group(proc)
-                proc.communicate()
+                _abandon(proc)
+                if exited:
+                    raise DiscoveryError(
+                        f"host discovery script {self.script} exited, but a process it started still held its "
+                        f"output {SCRIPT_TIMEOUT:.0f} s later: let the script's children close stdout "
+                        "(e.g. redirect a background command's output)"
+                    ) from None
                 raise DiscoveryError(
                     f"host discovery script {self.script} did not finish within {SCRIPT_TIMEOUT:.0f} s"
                 ) from None
@@ -88,6 +98,17 @@ class ScriptDiscovery:
             self._cancelled = True
             if self._running is not None:
                 _kill_group(self._running)
+
+
+def _abandon(proc: subprocess.Popen[str]) -> None:
+    """Stop reading a script's output within OUTPUT_GRACE, whoever still holds it."""
+    try:
+        proc.communicate(timeout=OUTPUT_GRACE)
+    except subprocess.TimeoutExpired:
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        proc.wait()  # the script itself was killed: it is gone
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

@@ -50,7 +50,7 @@ from lightning_elastic.launcher.processes.local import LocalLauncher
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
 from lightning_elastic.launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
-from lightning_elastic.launcher.rendezvous_server import RendezvousServer, listen_queue_for
+from lightning_elastic.launcher.rendezvous_server import RendezvousServer, limits_for, listen_queue_for
 from lightning_elastic import protocol as p
 
 # Put first on the workers' PYTHONPATH: lightning_elastic/_autoload/sitecustomize.py.
@@ -184,8 +184,9 @@ class Driver:
     def _start_services(self) -> None:
         """One listening socket, on the job's address only: the signed rendezvous service,
         which also serves the process-group store (see launcher/store_service.py)."""
+        workers = self._config.max_np + self._config.spares
         self._server = RendezvousServer(self._registry, self._secret, host=self._address,
-                                        listen_queue=listen_queue_for(self._config.max_np))
+                                        listen_queue=listen_queue_for(workers), limits=limits_for(workers))
         try:
             self._server.start()
         except OSError as err:
@@ -715,11 +716,12 @@ def raise_descriptor_limit() -> None:
     two per worker (its connections, its output pipe; three for an ssh worker): the usual
     soft limit of 1024 ends a job of a few hundred workers with EMFILE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20  # the kernel refuses "unlimited" here
+    if soft != resource.RLIM_INFINITY and soft < wanted:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
         except (ValueError, OSError) as err:
-            log.warning("Could not raise the open-file limit from %d to %d: %s.", soft, hard, err)
+            log.warning("Could not raise the open-file limit from %d to %d: %s.", soft, wanted, err)
 
 
 def make_discovery(config: LaunchConfig) -> HostDiscovery:

@@ -60,6 +60,13 @@ def listen_queue_for(workers: int) -> int:
     return min(cap, wanted)
 
 
+def limits_for(workers: int) -> ConnectionLimits:
+    """Room for every connection a fleet of ``workers`` opens at once before its first
+    request is answered (3 each: a fleet starting together), and no more: past it the
+    oldest unauthenticated connection is closed."""
+    return ConnectionLimits(max_unauthenticated=max(512, CONNECTIONS_PER_WORKER * workers + 64))
+
+
 _VERSION = str(p.PROTOCOL_VERSION)
 
 # A path's message class and its handler, which gives the reply, or a LongPoll when the

@@ -253,3 +253,4 @@ def test_hundreds_of_replacements_under_a_low_descriptor_limit(job: Job) -> None
     assert code == 0, err[-3000:]
     assert replacements >= 100, replacements
     assert "Errno 24" not in err and "Too many open files" not in err
+
