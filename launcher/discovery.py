@@ -16,7 +16,7 @@ from lightning_elastic.launcher.hosts import HostSlots, parse_discovery_output
 
 log = logging.getLogger(__name__)
 
-SCRIPT_TIMEOUT = 30.0  # a discovery script that runs longer than this has failed
+SCRIPT_TIMEOUT = 30.0  # --discovery-timeout's default: a script that runs longer has failed
 
 
 class HostDiscovery(Protocol):
@@ -43,9 +43,10 @@ class FixedHosts:
 class ScriptDiscovery:
     """Runs the user's script; a run that hangs is killed with everything it started."""
 
-    def __init__(self, script: Path, default_slots: int | None) -> None:
+    def __init__(self, script: Path, default_slots: int | None, timeout: float = SCRIPT_TIMEOUT) -> None:
         self.script = script
         self.default_slots = default_slots
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._running: subprocess.Popen[str] | None = None
         self._cancelled = False
@@ -62,12 +63,13 @@ class ScriptDiscovery:
                 )
                 self._running = proc
             try:
-                stdout, stderr = proc.communicate(timeout=SCRIPT_TIMEOUT)
+                stdout, stderr = proc.communicate(timeout=self.timeout)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 proc.communicate()
                 raise DiscoveryError(
-                    f"host discovery script {self.script} did not finish within {SCRIPT_TIMEOUT:.0f} s"
+                    f"host discovery script {self.script} did not finish within {self.timeout:g} s "
+                    "(--discovery-timeout)"
                 ) from None
             finally:
                 with self._lock:
@@ -111,9 +113,10 @@ class DiscoveryPoller:
     fails the launch at once, as the user guide promises.
     """
 
-    def __init__(self, discovery: HostDiscovery, interval: float) -> None:
+    def __init__(self, discovery: HostDiscovery, interval: float, timeout: float = SCRIPT_TIMEOUT) -> None:
         self._discovery = discovery
         self._interval = interval
+        self._timeout = timeout  # of one discovery: bounds the wait for the thread in close()
         self._lock = threading.Lock()
         self._latest: DiscoveryResult | None = None
         self._stop = threading.Event()
@@ -135,7 +138,7 @@ class DiscoveryPoller:
         self._stop.set()
         self._discovery.cancel()  # a hanging script must not hold the driver's exit
         if self._thread is not None:
-            self._thread.join(timeout=SCRIPT_TIMEOUT + 1)
+            self._thread.join(timeout=self._timeout + 1)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
