@@ -1,26 +1,46 @@
-"""``lightning-elastic``: a thin argparse front that builds a LaunchConfig and calls launch()."""
+"""``lightning-elastic``: a thin argparse front that builds a LaunchConfig and calls launch().
+
+Every ``launch`` option can also come from the environment, as ``LIGHTNING_ELASTIC_<NAME>``
+(the long option's name: ``--min-np`` is ``LIGHTNING_ELASTIC_MIN_NP``); the command line
+wins. No user input ends in a traceback: an invalid one is one line and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from lightning_elastic import __version__
+from lightning_elastic.launcher.command import check_command, check_script, with_python
 from lightning_elastic.launcher.config import LaunchConfig, RaySettings, SshSettings, Timeouts
+from lightning_elastic.launcher.discovery import SCRIPT_TIMEOUT
 from lightning_elastic.launcher.driver import launch
 from lightning_elastic.launcher.errors import ConfigError
-from lightning_elastic.launcher.hosts import HostSlots, count_slots, parse_host_list
+from lightning_elastic.launcher.hosts import HostSlots, count_slots, parse_host_list, parse_hostfile
 from lightning_elastic.launcher.log_writer import BackgroundStreamHandler
+from lightning_elastic.launcher.network import explicit_driver_address
 from lightning_elastic.launcher.processes.output import WRITE_ERRORS, flush_or_discard
 
 PROG = "lightning-elastic"
+ENV_PREFIX = "LIGHTNING_ELASTIC_"
+# The host sources, one of which a job has: one given on the command line overrides every
+# source in the environment (not only its own variable). The same for the driver's address.
+SOURCES = ("host_discovery_script", "hosts", "hostfile", "ray")
+ALTERNATIVES = (SOURCES, ("driver_address", "network_interface"))
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+log = logging.getLogger("lightning_elastic.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Elastic, fault-tolerant training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="verb", required=True)
     timeline = sub.add_parser(
         "timeline",
@@ -33,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "launch",
         help="run a training command elastically",
-        description="Run COMMAND on every slot of the discovered hosts, elastically.",
+        description="Run COMMAND on every slot of the discovered hosts, elastically. A COMMAND that is a "
+                    ".py file runs with this Python, as torchrun does.",
+        epilog=f"Every option can also be set in the environment as {ENV_PREFIX}<NAME>, NAME being the long "
+               f"option's name in capitals with _ for - ({ENV_PREFIX}MIN_NP=2, {ENV_PREFIX}VERBOSE=1; "
+               "repeatable options as a shell-quoted list); the command line wins.",
     )
     run.add_argument("-np", "--num-proc", dest="np", type=int, help="number of workers to start with "
                      "(default: the slots of -H, or of localhost when no host source is given)")
@@ -47,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--host-discovery-script", type=Path, metavar="PATH",
                         help="executable that prints the available hosts, one HOST[:SLOTS] per line")
     source.add_argument("-H", "--hosts", metavar="HOST:SLOTS[,HOST:SLOTS...]", help="fixed list of hosts")
+    source.add_argument("--hostfile", type=Path, metavar="PATH",
+                        help="fixed list of hosts in a file, one a line: HOST slots=N (as mpirun, horovodrun and "
+                             "DeepSpeed write it) or HOST:SLOTS; # starts a comment")
     source.add_argument("--ray", metavar="ADDRESS",
                         help="run on a Ray cluster: its alive nodes are the hosts, each worker a Ray actor; "
                              "ADDRESS as ray.init takes it (auto, HOST:PORT), or local for a private one-node Ray "
@@ -81,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--preemption-grace", type=float, default=Timeouts.preemption_grace, metavar="SECONDS",
                         help="a worker sent SIGTERM leaves at its next check without rollback; after this long "
                              f"it exits anyway (default: {Timeouts.preemption_grace:g}, as Kubernetes)")
+    bounds.add_argument("--stop-grace", type=float, default=Timeouts.stop_grace, metavar="SECONDS",
+                        help="when the driver stops a worker (the job's end, Ctrl-C, its host blacklisted): "
+                             f"SIGTERM, then SIGKILL after this long (default: {Timeouts.stop_grace:g})")
+    bounds.add_argument("--discovery-timeout", type=float, default=SCRIPT_TIMEOUT, metavar="SECONDS",
+                        help="a run of the discovery script still going after this long has failed and is "
+                             f"killed (default: {SCRIPT_TIMEOUT:g})")
     run.add_argument("--repeated-error-limit", type=int, default=3, metavar="N",
                      help="fail when the same collective error ends N consecutive rounds with no commit "
                           "(default: 3; 0: never)")
@@ -95,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address the driver serves workers on (default: the one that routes to the hosts)")
     remote.add_argument("--network-interface", metavar="NAME",
                         help="serve workers on this interface's address")
+    remote.add_argument("--port", type=int, metavar="PORT",
+                        help="the one TCP port the driver serves workers on (rendezvous and store), for a "
+                             "firewall to let through (default: any free port)")
     run.add_argument("--log-dir", type=Path, metavar="DIR",
                      help="also write each worker's output, and the job's events.jsonl timeline, to DIR")
     run.add_argument("--verbose", action="store_true", help="log the driver's decisions in detail")
@@ -110,6 +146,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     script = args.host_discovery_script.absolute() if args.host_discovery_script else None
     if args.hosts is not None:
         hosts = parse_host_list(args.hosts, args.slots_per_host)
+    if args.hostfile is not None:
+        hosts = read_hostfile(args.hostfile, args.slots_per_host)
     if args.slots_per_host is not None and args.slots_per_host < 1:
         raise ConfigError(f"--slots-per-host: must be at least 1, got {args.slots_per_host}")
     ray = ray_settings(args)
@@ -122,8 +160,11 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         np_ = count_slots(hosts) if hosts is not None else 1
     if hosts is None and script is None and ray is None:
         hosts = [HostSlots("localhost", np_)]
-    if script is not None and not os.access(script, os.X_OK):
+    if script is not None and not (script.is_file() and os.access(script, os.X_OK)):
         raise ConfigError(f"--host-discovery-script: {script} is not an executable file")
+    command = prepare_command(command, on_ray=ray is not None)
+    # Checked here, not once the driver runs: a bad value is then one line, and nothing started.
+    explicit_driver_address(args.driver_address, args.network_interface)
     return LaunchConfig(
         timeouts=Timeouts(
             heartbeat_timeout=args.heartbeat_timeout,
@@ -131,6 +172,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             process_group=args.collective_timeout,
             exit=args.exit_timeout,
             preemption_grace=args.preemption_grace,
+            stop_grace=args.stop_grace,
+            discovery=args.discovery_timeout,
         ),
         repeated_error_limit=args.repeated_error_limit,
         ssh=SshSettings(
@@ -141,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         env=tuple(resolve_env(entry) for entry in args.env),
         driver_address=args.driver_address,
         network_interface=args.network_interface,
+        port=args.port,
         command=tuple(command),
         np=np_,
         min_np=args.min_np if args.min_np is not None else np_,
@@ -157,6 +201,30 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         log_dir=args.log_dir,
         verbose=args.verbose,
     )
+
+
+def read_hostfile(path: Path, default_slots: int | None) -> list[HostSlots]:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"--hostfile: {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--hostfile: {path}: not a text file") from None
+    return parse_hostfile(text, default_slots, f"--hostfile {path}")
+
+
+def prepare_command(command: list[str], on_ray: bool) -> list[str]:
+    """``train.py`` runs with this Python, as with torchrun; the program must be one a worker
+    can execute (not checked on Ray, whose nodes may lay files out otherwise)."""
+    runnable = list(with_python(command))
+    if not on_ray:
+        if runnable != command:
+            check_script(runnable, os.getcwd())
+        else:
+            check_command(command, os.getcwd(), os.environ.get("PATH", os.defpath))
+    if runnable != command:
+        log.info("Running %s with this Python, as torchrun does: %s.", command[0], " ".join(runnable[:2]))
+    return runnable
 
 
 def ray_settings(args: argparse.Namespace) -> RaySettings | None:
@@ -186,8 +254,92 @@ def resolve_env(entry: str) -> tuple[str, str]:
     return name, os.environ[name]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+# ----- LIGHTNING_ELASTIC_* ----------------------------------------------------------------
+
+
+def launch_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The ``launch`` sub-command's options (argparse keeps a parser's actions in ``_actions``)."""
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return [a for a in verbs.choices["launch"]._actions if a.option_strings and a.dest != "help"]  # noqa: SLF001
+
+
+def environment_name(action: argparse.Action) -> str:
+    """``LIGHTNING_ELASTIC_`` and the long option's name: ``-np/--num-proc`` is ``..._NUM_PROC``."""
+    longest = max((o for o in action.option_strings if o.startswith("--")), key=len)
+    return ENV_PREFIX + longest[2:].upper().replace("-", "_")
+
+
+def environment_options() -> dict[str, str]:
+    """Every variable ``launch`` reads, to the option it stands for (for the docs and tests)."""
+    return {environment_name(a): "/".join(a.option_strings) for a in launch_options(build_parser())}
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The command line, with each ``launch`` option it does not give taken from the environment."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb != "launch":
+        return args
+    # Which options the command line gave: parsed again with no defaults, only they are set.
+    probe = build_parser()
+    for action in launch_options(probe):
+        action.default = argparse.SUPPRESS
+    given = set(vars(probe.parse_args(argv)))
+    from_environment = {}
+    for action in launch_options(parser):
+        name = environment_name(action)
+        text = environ.get(name, "")
+        if action.dest not in given and text.strip():  # an empty variable counts as unset
+            from_environment[action.dest] = (name, environment_value(action, name, text))
+    for group in ALTERNATIVES:
+        if given & set(group):
+            for dest in group:
+                from_environment.pop(dest, None)
+    sources = [name for dest, (name, _) in from_environment.items() if dest in SOURCES]
+    if len(sources) > 1:
+        raise ConfigError(f"{', '.join(sources)}: give exactly one host source: -H/--hosts, --hostfile, "
+                          "--host-discovery-script or --ray")
+    for dest, (_, value) in from_environment.items():
+        setattr(args, dest, value)
+    return args
+
+
+def environment_value(action: argparse.Action, name: str, text: str) -> Any:
+    """``text`` converted as the command line converts the option's value(s)."""
+    option = "/".join(action.option_strings)
+    if action.nargs == 0:  # a flag: --verbose
+        if text.strip().lower() in TRUE:
+            return True
+        if text.strip().lower() in FALSE:
+            return False
+        raise ConfigError(f"{name} ({option}): expected 1, true, yes or on (0, false, no or off), got {text!r}")
+    convert = action.type if callable(action.type) else str
+    several = isinstance(action, argparse._AppendAction) or isinstance(action.nargs, int)  # noqa: SLF001
+    if several:  # a repeatable option, or one of several values: a shell-quoted list
+        try:
+            values = shlex.split(text)
+        except ValueError as err:
+            raise ConfigError(f"{name} ({option}): {err}, in {text!r}") from None
+        if isinstance(action.nargs, int) and len(values) != action.nargs:
+            raise ConfigError(f"{name} ({option}): expected {action.nargs} values, got {text!r}")
+    else:
+        values = [text.strip()]
+    try:
+        converted = [convert(v) for v in values]
+    except (TypeError, ValueError):
+        kind = getattr(convert, "__name__", "")
+        raise ConfigError(f"{name} ({option}): invalid {kind} value: {text.strip()!r}") from None
+    return converted if several else converted[0]
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    try:
+        args = parse_args(argv, environ)
+    except ConfigError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
     if args.verb == "timeline":
         return draw_timeline(args.log_dir, args.output)
     # Written by a thread of its own: the driver logs while the service waits on it, and a
@@ -204,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result = launch(config)
-    except ConfigError as err:  # found before any worker started (a Ray cluster that cannot be reached)
+    except ConfigError as err:  # found before any worker started: nothing ran
         log_output.flush_within(10.0)
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

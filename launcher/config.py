@@ -29,7 +29,9 @@ class Timeouts:
     # How long a worker that caught an exception waits to learn whether its round lost a
     # member (collective failure) before treating the error as its own.
     lost_member_wait: float = 5.0
-    # SIGTERM, then SIGKILL after this long, when the driver stops workers.
+    # --stop-grace: SIGTERM, then SIGKILL after this long, when the driver stops workers (at
+    # the job's end, on Ctrl-C, a blacklisted host's siblings). Long enough for a worker to
+    # flush its logs; a checkpoint on SIGTERM may need more.
     stop_grace: float = 5.0
     # --collective-timeout: torch.distributed's process-group timeout. It bounds only a
     # collective whose peer is alive but never joins (a lost peer is detected without it),
@@ -40,6 +42,9 @@ class Timeouts:
     exit: float = 60.0
     # --preemption-grace: a worker sent SIGTERM has this long to leave gracefully.
     preemption_grace: float = 30.0
+    # --discovery-timeout: a discovery script still running after this long has failed
+    # (killed with everything it started); a cluster API behind it may be slow.
+    discovery: float = 30.0
 
     def __post_init__(self) -> None:
         for option, value in (
@@ -47,6 +52,8 @@ class Timeouts:
             ("--collective-timeout", self.process_group),
             ("--exit-timeout", self.exit),
             ("--preemption-grace", self.preemption_grace),
+            ("--stop-grace", self.stop_grace),
+            ("--discovery-timeout", self.discovery),
         ):
             # "not > 0" so NaN fails too; inf would turn a bound into none.
             if not (value > 0 and math.isfinite(value)):
@@ -139,6 +146,9 @@ class LaunchConfig:
     env: tuple[tuple[str, str], ...] = ()
     driver_address: str | None = None  # --driver-address; None: detected from the hosts
     network_interface: str | None = None  # --network-interface
+    # --port: the one TCP port the driver serves on (rendezvous and store), for a firewall
+    # that must let it through; None: any free port.
+    port: int | None = None
     # --repeated-error-limit: end the job when the same collective error ends this many
     # consecutive rounds with no commit in between (0: never).
     repeated_error_limit: int = 3
@@ -152,6 +162,10 @@ class LaunchConfig:
             raise ConfigError(f"--min-np: must be between 1 and -np ({self.np}), got {self.min_np}")
         if self.max_np < self.np:
             raise ConfigError(f"--max-np: must be at least -np ({self.np}), got {self.max_np}")
+        if self.port is not None and not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port: expected a port number 1..65535, got {self.port}")
+        if self.log_dir is not None and self.log_dir.exists() and not self.log_dir.is_dir():
+            raise ConfigError(f"--log-dir: {self.log_dir} is a file, expected a directory")
         if self.spares < 0:
             raise ConfigError(f"--spares: expected 0 or more workers, got {self.spares}")
         if self.hosts is not None and count_slots(self.hosts) < self.np:
@@ -162,7 +176,7 @@ class LaunchConfig:
             )
         sources = (self.hosts, self.discovery_script, self.ray)
         if sum(source is not None for source in sources) != 1:
-            raise ConfigError("give exactly one host source: -H/--hosts, --host-discovery-script or --ray")
+            raise ConfigError("give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script or --ray")
         # Written as "not > 0" so NaN fails too (every comparison with NaN is False); inf is
         # allowed: it means wait for slots for ever.
         if not self.elastic_timeout > 0:

@@ -16,7 +16,7 @@ from lightning_elastic.launcher.hosts import HostSlots, parse_discovery_output
 
 log = logging.getLogger(__name__)
 
-SCRIPT_TIMEOUT = 30.0  # a discovery script that runs longer than this has failed
+SCRIPT_TIMEOUT = 30.0  # --discovery-timeout's default: a script that runs longer has failed
 # Once the script has exited or been killed, how long its output may still take to close: a
 # process it started in a session of its own (a daemon) can hold the pipe for ever.
 OUTPUT_GRACE = 1.0
@@ -46,9 +46,10 @@ class FixedHosts:
 class ScriptDiscovery:
     """Runs the user's script; a run that hangs is killed with everything it started."""
 
-    def __init__(self, script: Path, default_slots: int | None) -> None:
+    def __init__(self, script: Path, default_slots: int | None, timeout: float = SCRIPT_TIMEOUT) -> None:
         self.script = script
         self.default_slots = default_slots
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._running: subprocess.Popen[str] | None = None
         self._cancelled = False
@@ -65,7 +66,7 @@ class ScriptDiscovery:
                 )
                 self._running = proc
             try:
-                stdout, stderr = proc.communicate(timeout=SCRIPT_TIMEOUT)  # reads as it runs: no full pipe
+                stdout, stderr = proc.communicate(timeout=self.timeout)  # reads as it runs: no full pipe
             except subprocess.TimeoutExpired:
                 exited = proc.poll() is not None
                 _kill_group(proc)
@@ -73,11 +74,12 @@ class ScriptDiscovery:
                 if exited:
                     raise DiscoveryError(
                         f"host discovery script {self.script} exited, but a process it started still held its "
-                        f"output {SCRIPT_TIMEOUT:.0f} s later: let the script's children close stdout "
+                        f"output {self.timeout:g} s later: let the script's children close stdout "
                         "(e.g. redirect a background command's output)"
                     ) from None
                 raise DiscoveryError(
-                    f"host discovery script {self.script} did not finish within {SCRIPT_TIMEOUT:.0f} s"
+                    f"host discovery script {self.script} did not finish within {self.timeout:g} s "
+                    "(--discovery-timeout)"
                 ) from None
             finally:
                 with self._lock:
@@ -132,9 +134,10 @@ class DiscoveryPoller:
     fails the launch at once, as the user guide promises.
     """
 
-    def __init__(self, discovery: HostDiscovery, interval: float) -> None:
+    def __init__(self, discovery: HostDiscovery, interval: float, timeout: float = SCRIPT_TIMEOUT) -> None:
         self._discovery = discovery
         self._interval = interval
+        self._timeout = timeout  # of one discovery: bounds the wait for the thread in close()
         self._lock = threading.Lock()
         self._latest: DiscoveryResult | None = None
         self._stop = threading.Event()
@@ -156,7 +159,7 @@ class DiscoveryPoller:
         self._stop.set()
         self._discovery.cancel()  # a hanging script must not hold the driver's exit
         if self._thread is not None:
-            self._thread.join(timeout=SCRIPT_TIMEOUT + 1)
+            self._thread.join(timeout=self._timeout + 1)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

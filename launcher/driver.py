@@ -33,11 +33,11 @@ from typing import IO
 from lightning_elastic.launcher import membership, policy
 from lightning_elastic.launcher.config import LaunchConfig
 from lightning_elastic.launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
-from lightning_elastic.launcher.errors import ConfigError, LaunchError
-from lightning_elastic.launcher.events import EventLog
+from lightning_elastic.launcher.errors import ConfigError, LaunchError, StartError
+from lightning_elastic.launcher.events import EventLog, prepare_log_dir
 from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey, count_slots
-from lightning_elastic.launcher.network import HostClassifier, choose_driver_address
+from lightning_elastic.launcher.network import HostClassifier, choose_driver_address, unresolved_names_message
 from lightning_elastic.launcher.processes.base import (
     HostRouter,
     WorkerLauncher,
@@ -69,6 +69,10 @@ class JobResult:
     duration: float
     rejected_requests: int
     departures: tuple[str, ...] = ()  # workers that left gracefully on a preemption notice
+    # Ended by an invalid input found before any worker started (an address this machine
+    # does not have, a port in use, no host name resolving): ``launch`` raises it as a
+    # ConfigError, which the CLI prints as one line with exit status 2.
+    refused: bool = False
 
     @property
     def exit_code(self) -> int:
@@ -105,14 +109,18 @@ class Driver:
         is_local: Callable[[str], bool],
         clock: Callable[[], float] = time.monotonic,
         events: EventLog | None = None,
+        resolves: Callable[[str], bool] | None = None,
     ) -> None:
         self._config = config
         self._events = events if events is not None else EventLog(config.log_dir)
         self._clock = clock
         self._launcher = launcher
         self._is_local = is_local
+        # Does a host's name resolve here? Asked only when the driver picks its address from
+        # the routes to the hosts; None: every name does (Ray's nodes are not DNS names).
+        self._resolves = resolves
         self._address = "127.0.0.1"  # where workers reach the driver; chosen from the first hosts
-        self._discovery = DiscoveryPoller(discovery, config.discovery_interval)
+        self._discovery = DiscoveryPoller(discovery, config.discovery_interval, config.timeouts.discovery)
         self._hosts = HostManager(config.blacklist_cooldown, clock)
         self._registry = Registry(clock, config.repeated_error_limit)
         self._secret = secrets.token_hex(32)
@@ -140,6 +148,9 @@ class Driver:
         self._held_until: dict[SlotKey, float] = {}  # slot left on a preemption notice -> end of its hold
         self._first_exit: tuple[float, str] | None = None  # when and who, once training has returned
         self._refused_hosts: set[str] = set()
+        # The failure of a worker that exited 0 without ever reaching the rendezvous: a
+        # script that does not join the job (see policy.JobView.never_joined).
+        self._never_joined = ""
         self._stop_requested = threading.Event()
         self._stop_signal = ""
         self._started_at = clock()
@@ -160,17 +171,24 @@ class Driver:
             first = self._discovery.start()
         except LaunchError as err:
             return self._result(policy.Verdict(False, str(err)))
+        refused = False
         try:
+            if first and all(self._name_unresolved(h.host) for h in first):
+                raise ConfigError(unresolved_names_message(h.host for h in first))
+            usable = [h for h in first if self._name_usable(h.host)]
             self._address = choose_driver_address(
-                [h.host for h in first], self._is_local, self._config.driver_address, self._config.network_interface
+                [h.host for h in usable], self._is_local, self._config.driver_address, self._config.network_interface
             )
             self._start_services()
             with self._registry.cond:
-                self._hosts.update(first)
-                self._events.emit("hosts_changed", added=[h.host for h in first], removed=[])
+                self._hosts.update(usable)
+                self._events.emit("hosts_changed", added=[h.host for h in usable], removed=[])
             verdict = self._loop()
         except ConfigError as err:
+            # Before any worker started nothing ran: an invalid input, said in one line. Later
+            # (a worker's command vanished) the job ends with its summary like any other.
             verdict = policy.Verdict(False, str(err))
+            refused = not self._processes
         except _Stop:
             verdict = policy.Verdict(False, f"interrupted by {self._stop_signal}: stopped every worker")
         except Exception as err:  # noqa: BLE001 - crash-only: a bug of ours still ends in a verdict
@@ -179,18 +197,21 @@ class Driver:
                                             "is above; please report it)")
         finally:
             self._shutdown()
-        return self._result(verdict)
+        return self._result(verdict, refused)
 
     def _start_services(self) -> None:
         """One listening socket, on the job's address only: the signed rendezvous service,
         which also serves the process-group store (see launcher/store_service.py)."""
         workers = self._config.max_np + self._config.spares
         self._server = RendezvousServer(self._registry, self._secret, host=self._address,
-                                        listen_queue=listen_queue_for(workers), limits=limits_for(workers))
+                                        listen_queue=listen_queue_for(workers), limits=limits_for(workers),
+                                        port=self._config.port or 0)
         try:
             self._server.start()
         except OSError as err:
-            raise ConfigError(f"cannot serve on {self._address}: {err}") from None
+            if port:
+                raise ConfigError(f"--port: cannot serve on {self._address}:{port}: {err.strerror or err}") from None
+            raise ConfigError(f"cannot serve on {self._address}: {err.strerror or err}") from None
         log.info("Rendezvous service and process-group store at %s.", self._server.url)
 
     def _shutdown(self) -> None:
@@ -205,7 +226,7 @@ class Driver:
         if self._server is not None:
             self._server.close()
 
-    def _result(self, verdict: policy.Verdict) -> JobResult:
+    def _result(self, verdict: policy.Verdict, refused: bool = False) -> JobResult:
         self._events.emit("job_ended", success=verdict.success, reason=verdict.reason)
         self._events.close()
         return JobResult(
@@ -217,6 +238,7 @@ class Driver:
             duration=self._clock() - self._started_at,
             rejected_requests=self._server.rejected if self._server else 0,
             departures=tuple(self._departures),
+            refused=refused,
         )
 
     # ----- the loop -------------------------------------------------------------------
@@ -301,15 +323,38 @@ class Driver:
 
     def _reachable(self, host: str) -> bool:
         """A remote host cannot reach services bound to loopback: refuse it, say how to fix it."""
+        if not self._name_usable(host):
+            return False
         if self._is_local(host) or not self._address.startswith("127."):
             return True
-        if host not in self._refused_hosts:
-            self._refused_hosts.add(host)
-            log.error(
-                "Ignoring discovered host %s: it is another machine, and the driver serves on loopback "
-                "(the first hosts were all local); pass --driver-address or --network-interface.", host,
-            )
+        self._refuse(host, "it is another machine, and the driver serves on loopback (the first hosts were "
+                           "all local); pass --driver-address or --network-interface")
         return False
+
+    def _name_usable(self, host: str) -> bool:
+        """Refuse a host whose name does not resolve, that host alone: the others go on."""
+        if not self._name_unresolved(host):
+            return True
+        self._refuse(host, "its name does not resolve (check it, DNS or /etc/hosts; for an ssh config alias "
+                           "pass --driver-address or --network-interface); the job goes on with the other hosts")
+        return False
+
+    def _name_unresolved(self, host: str) -> bool:
+        """Does the driver need ``host``'s name to resolve, and it does not?
+
+        Only when the driver picks its address from the routes to the hosts. With
+        --driver-address or --network-interface it never needs the name, and ssh may know it
+        (an alias in ~/.ssh/config) where DNS does not; an ssh failure then refuses the host.
+        """
+        c = self._config
+        if self._resolves is None or c.driver_address is not None or c.network_interface is not None:
+            return False
+        return not (self._is_local(host) or self._resolves(host))
+
+    def _refuse(self, host: str, why: str) -> None:
+        if host not in self._refused_hosts:  # discovery lists it again every second: say it once
+            self._refused_hosts.add(host)
+            log.error("Ignoring host %s: %s.", host, why)
 
     # ----- workers --------------------------------------------------------------------
 
@@ -363,7 +408,12 @@ class Driver:
             cwd=os.getcwd(),
             log_file=log_file,
         )
-        self._processes[worker_id] = self._launcher.start(spec, prefix)
+        try:
+            self._processes[worker_id] = self._launcher.start(spec, prefix)
+        except StartError:
+            # The same command (or ssh) fails for every slot of this kind: the job cannot run.
+            record.state = WorkerState.FAILED
+            raise
         pid = self._processes[worker_id].pid
         log.info("Started worker %s%s.", worker_id, f" (pid {pid})" if pid else "")
         self._events.emit("worker_started", worker=worker_id, host=slot.slot.host, pid=self._processes[worker_id].pid)
@@ -446,6 +496,8 @@ class Driver:
         detail = proc.exit_detail()
         if detail:
             how = f"was lost: {detail}"
+        elif status == 0 and not record.joined:
+            how = "exited with status 0 without ever joining the job"
         elif status == 0:
             how = "exited with status 0 without reporting that training returned"
         else:
@@ -461,6 +513,8 @@ class Driver:
         if outcome_of(record) == p.Outcome.FAILED and record.report.message:  # type: ignore[union-attr]
             how += f" after raising {record.report.message}"
         text = f"worker {record.worker_id} {how}"
+        if status == 0 and not record.joined and not self._never_joined:
+            self._never_joined = text
         self._failure_of[record.worker_id] = text
         self._failures.append(text)
         log.warning("Worker %s %s.", record.worker_id, how)
@@ -592,6 +646,7 @@ class Driver:
             slots_can_grow=(available >= required or not self._fixed_hosts or bool(self._held_until)
                             or self._members_training()),
             blacklisted=tuple(self._blacklisted),
+            never_joined=self._never_joined if self._never_joined and not self._anyone_joined() else "",
         )
         return policy.decide_verdict(view, self._config.elastic_timeout)
 
@@ -600,6 +655,10 @@ class Driver:
         yet: it may fail in a more telling way (every member raising the same error)."""
         reg = self._registry
         return any(reg.current_member(w) for w in reg.live_workers())
+    def _anyone_joined(self) -> bool:
+        """Has any worker of the job reached the rendezvous (O(N): asked after a worker that
+        never joined exited, not every pass)?"""
+        return bool(self._rounds) or any(w.joined for w in self._registry.workers.values())
 
     def _required_slots(self) -> int:
         return self._config.min_np if self._registry.round is not None else self._config.np
@@ -726,7 +785,7 @@ def raise_descriptor_limit() -> None:
 
 def make_discovery(config: LaunchConfig) -> HostDiscovery:
     if config.discovery_script is not None:
-        return ScriptDiscovery(config.discovery_script, config.slots_per_host)
+        return ScriptDiscovery(config.discovery_script, config.slots_per_host, config.timeouts.discovery)
     assert config.hosts is not None
     return FixedHosts(config.hosts)
 
@@ -734,17 +793,28 @@ def make_discovery(config: LaunchConfig) -> HostDiscovery:
 def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
     """Run one elastic job to its end; SIGINT and SIGTERM stop it and every worker.
 
-    Raises ConfigError only before any worker started (a Ray cluster that cannot be reached).
+    Raises ConfigError only before any worker started: an input found invalid only here (a
+    --log-dir that cannot be written, a Ray cluster that cannot be reached, an address or
+    port the driver cannot serve on, no host name that resolves).
     """
+    if config.log_dir is not None:
+        moved = prepare_log_dir(config.log_dir)
+        if moved:
+            log.info("%s.", moved)
     sink = OutputSink(out)  # one for every worker's output: a broken stdout is said once
     if config.ray is not None:
         from lightning_elastic.launcher.ray.backend import ray_backend  # noqa: PLC0415 - Ray only when asked
 
         with ray_backend(config, sink) as backend:
-            return run_driver(Driver(backend.config, backend.nodes, backend.launcher, backend.nodes.is_local))
-    classifier = HostClassifier()
-    router = HostRouter(LocalLauncher(sink), SshLauncher(config.ssh, sink), classifier.is_local)
-    return run_driver(Driver(config, make_discovery(config), router, classifier.is_local))
+            result = run_driver(Driver(backend.config, backend.nodes, backend.launcher, backend.nodes.is_local))
+    else:
+        classifier = HostClassifier()
+        router = HostRouter(LocalLauncher(sink), SshLauncher(config.ssh, sink), classifier.is_local)
+        result = run_driver(Driver(config, make_discovery(config), router, classifier.is_local,
+                                   resolves=classifier.resolves))
+    if result.refused:
+        raise ConfigError(result.reason)
+    return result
 
 
 def run_driver(driver: Driver) -> JobResult:

@@ -11,3 +11,7 @@ class ConfigError(LaunchError):
 
 class DiscoveryError(LaunchError):
     """The host discovery script failed or printed something that is not ``host[:slots]``."""
+
+
+class StartError(ConfigError):
+    """A worker process cannot be started on this machine: its command (or ssh) cannot be run."""

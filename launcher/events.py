@@ -24,18 +24,69 @@ come from their own clocks, and the driver's monotonic clock means nothing to th
 =================== =============================================================
 
 ``lightning-elastic timeline LOGDIR`` draws it (``launcher/timeline.py``).
+
+A ``--log-dir`` used again keeps both jobs: ``prepare_log_dir`` moves the previous job's
+files (``events.jsonl``, the worker logs, a drawn timeline) into ``job-<its start>/`` in the
+directory, where ``lightning-elastic timeline`` still reads them, before the new job writes.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from lightning_elastic.launcher.errors import ConfigError
+
 FILE_NAME = "events.jsonl"
+# What one job writes to its --log-dir (timeline.png is `lightning-elastic timeline`'s default).
+JOB_FILES = (FILE_NAME, "worker-*.log", "timeline.png")
+
+
+def prepare_log_dir(directory: Path) -> str | None:
+    """Create ``directory``; if a previous job wrote there, move its files aside, into
+    ``directory/job-<its start>/``, and return the line that says so (else None).
+
+    Appending would interleave two jobs in one ``events.jsonl`` (and one timeline) and in
+    worker logs of the same names; overwriting would lose the first job. Raises ConfigError
+    when the directory cannot be made or the files cannot be moved.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--log-dir: cannot create {directory}: {err.strerror or err}") from None
+    previous = sorted({path for pattern in JOB_FILES for path in directory.glob(pattern) if path.is_file()})
+    if not previous:
+        return None
+    started = _job_start(directory / FILE_NAME, previous)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    target = directory / f"job-{stamp}"
+    suffix = 1
+    while target.exists():  # two jobs started in the same second
+        suffix += 1
+        target = directory / f"job-{stamp}-{suffix}"
+    try:
+        target.mkdir()
+        for path in previous:
+            os.replace(path, target / path.name)
+    except OSError as err:
+        raise ConfigError(f"--log-dir: cannot move the previous job's files to {target}: {err.strerror or err}") from None
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    return (f"--log-dir {directory} held a job started at {when}: moved its {len(previous)} file(s) to "
+            f"{target} (lightning-elastic timeline {target} draws it)")
+
+
+def _job_start(events: Path, files: list[Path]) -> float:
+    """When the job that wrote ``files`` started: its first event, else its oldest file."""
+    try:
+        with open(events, encoding="utf-8") as f:
+            return float(json.loads(f.readline())["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return min(path.stat().st_mtime for path in files)
 
 log = logging.getLogger("lightning_elastic.driver")
 

@@ -70,6 +70,30 @@ def parse_host_list(text: str, default_slots: int | None = None) -> list[HostSlo
     return _unique([parse_host_entry(e, default_slots, "-H/--hosts") for e in entries], "-H/--hosts")
 
 
+def parse_hostfile(text: str, default_slots: int | None, what: str) -> list[HostSlots]:
+    """Parse a host file: one host a line, as mpirun, horovodrun and DeepSpeed write it
+    (``HOST slots=N``) or as ``-H`` takes it (``HOST:SLOTS``); ``#`` starts a comment."""
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{what} line {number}"
+        name, *fields = line.split()
+        slots: str | None = None
+        for field in fields:
+            key, sep, value = field.partition("=")
+            # mpirun's max_slots bounds oversubscription, which never happens here: ignored.
+            if not sep or key not in ("slots", "max_slots", "max-slots") or ":" in name:
+                raise ConfigError(f"{where}: invalid entry {raw.strip()!r}, expected HOST slots=N or HOST:SLOTS")
+            if key == "slots":
+                slots = value
+        hosts.append(parse_host_entry(name if slots is None else f"{name}:{slots}", default_slots, where))
+    if not hosts:
+        raise ConfigError(f"{what}: lists no host, expected one HOST slots=N (or HOST:SLOTS) a line")
+    return _unique(hosts, what)
+
+
 def parse_discovery_output(text: str, default_slots: int | None) -> list[HostSlots]:
     """Parse a discovery script's output: one ``host[:slots]`` per line, blank lines ignored."""
     hosts = []

@@ -59,11 +59,18 @@ class HostClassifier:
         self._names = {"localhost", socket.gethostname(), socket.getfqdn()}
         self._addresses = set(local_addresses())
         self._cache: dict[str, bool] = {}
+        self._unresolved: set[str] = set()
 
     def is_local(self, host: str) -> bool:
         if host not in self._cache:
             self._cache[host] = self._classify(host)
         return self._cache[host]
+
+    def resolves(self, host: str) -> bool:
+        """Does ``host`` name an address here (this machine's names always do)? Cached with
+        ``is_local``: a name that did not resolve is not asked of the resolver again."""
+        self.is_local(host)
+        return host not in self._unresolved
 
     def _classify(self, host: str) -> bool:
         if host in self._names:
@@ -73,7 +80,8 @@ class HostClassifier:
         except ValueError:
             address = resolve(host)
             if address is None:
-                return False  # ssh will say what is wrong with the name
+                self._unresolved.add(host)
+                return False
             literal = ipaddress.ip_address(address)
         return literal.is_loopback or str(literal) in self._addresses
 
@@ -104,28 +112,31 @@ def choose_driver_address(
     A job of local hosts only is served on loopback and exposes nothing to the network.
     Otherwise the address is the one the kernel uses to reach the remote hosts, which must
     agree: services bound to every interface would be reachable from networks the job
-    does not use.
+    does not use. A name that does not resolve gives no route: the driver refuses that host
+    (see ``Driver``); only when no host resolves is there no address to choose.
     """
-    if address is not None:
-        if _literal(address) is None:
-            raise ConfigError(f"--driver-address: expected an IPv4 address, got {address!r}")
-        if address not in local_addresses():
-            raise ConfigError(f"--driver-address: {address} is not an address of this machine")
-        return address
-    if interface is not None:
-        return interface_address(interface)
+    explicit = explicit_driver_address(address, interface)
+    if explicit is not None:
+        return explicit
     remote = [h for h in hosts if not is_local(h)]
     if not remote:
         return "127.0.0.1"
     sources: dict[str, str] = {}
+    unresolved = []
     for host in remote:
         target = resolve(host)
-        source = route_source(target) if target else None
+        if target is None:
+            unresolved.append(host)
+            continue
+        source = route_source(target)
         if source is not None:
             sources[host] = source
     if not sources:
+        if len(unresolved) == len(remote):
+            raise ConfigError(unresolved_names_message(unresolved))
         raise ConfigError(
-            f"no route to any of the hosts {', '.join(remote)}: pass --driver-address or --network-interface"
+            f"no route to any of the hosts {', '.join(h for h in remote if h not in unresolved)}: "
+            "pass --driver-address or --network-interface"
         )
     distinct = sorted(set(sources.values()))
     if len(distinct) > 1:
@@ -135,6 +146,28 @@ def choose_driver_address(
             "pass --driver-address or --network-interface"
         )
     return distinct[0]
+
+
+def explicit_driver_address(address: str | None, interface: str | None) -> str | None:
+    """The address --driver-address or --network-interface names, checked; None when neither
+    is given. Raises ConfigError for an address or interface this machine does not have."""
+    if address is not None:
+        if _literal(address) is None:
+            raise ConfigError(f"--driver-address: expected an IPv4 address, got {address!r}")
+        if address not in local_addresses():
+            raise ConfigError(f"--driver-address: {address} is not an address of this machine")
+        return address
+    if interface is not None:
+        return interface_address(interface)
+    return None
+
+
+def unresolved_names_message(hosts: Iterable[str]) -> str:
+    """Why no host can be used when none of their names resolves (a typo, DNS, /etc/hosts)."""
+    return (
+        f"no host name resolves ({', '.join(hosts)}): check the names, DNS or /etc/hosts "
+        "(for an ssh config alias pass --driver-address or --network-interface)"
+    )
 
 
 def collective_interface_env(environ: Mapping[str, str], toward: str) -> dict[str, str]:

@@ -42,6 +42,18 @@ class JobView:
     # Can the available slots still grow? Not from a fixed host list with no blacklist
     # cooldown and no slot held after a preemption: waiting for slots there is hopeless.
     slots_can_grow: bool = True
+    # That worker's failure, when a worker exited 0 without ever reaching the rendezvous and
+    # no worker of the job ever has: the command does not join the job (a script without
+    # le.init()). Once another worker has joined, the script joins on some hosts and not on
+    # others: the failure is that host's (or slot's), not the job's.
+    never_joined: str = ""
+
+
+# The fix for a command that exits without joining the job.
+JOIN_HINT = (
+    "the script must join it: call lightning_elastic.init() (before @le.run), or build "
+    'Trainer(strategy="elastic_hvd") or Fabric(strategy="elastic_hvd")'
+)
 
 
 def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
@@ -63,6 +75,8 @@ def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
             f"training returned in round {view.round_number} but not every worker finished cleanly: "
             f"{first.failure or f'worker {first.worker_id} was {first.state.value}'}",
         )
+    if view.never_joined:
+        return Verdict(False, f"{view.never_joined}; {JOIN_HINT}")
     failed = [m for m in members if m.state == WorkerState.FAILED]
     if members and len(failed) == len(members):
         return Verdict(

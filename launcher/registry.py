@@ -89,6 +89,7 @@ class WorkerRecord:
     departing: str = ""  # why it asked to leave (a preemption notice): its slot is vacant
     stopping: bool = False  # the driver is stopping it (SIGTERM, then SIGKILL)
     standby: bool = False  # a hot spare (--spares): waits at the rendezvous, in no round
+    joined: bool = False  # has reached the rendezvous at least once (le.init() ran)
     exit_status: int | None = None
     # Its pending requests wait on this: fired when their answers may have changed.
     wake: Signal = dataclasses.field(default_factory=Signal, repr=False, compare=False)
@@ -288,6 +289,7 @@ class Registry:
 
     def _arrive(self, record: WorkerRecord, after_round: int, now: float) -> None:
         self._note_left_round(record, after_round)
+        record.joined = True
         if record.arrived_after_round != after_round or record.state != WorkerState.WAITING:
             record.waiting_since = now
         record.arrived_after_round = after_round

@@ -89,11 +89,13 @@ class RendezvousServer:
         store: KeyValueStore | None = None,
         listen_queue: int = 1024,
         limits: ConnectionLimits | None = None,
+        port: int = 0,
     ) -> None:
         self._registry = registry
         self._store = store if store is not None else KeyValueStore()
         self._secret = secret
         self._host = host
+        self._port = port  # 0: any free port
         self._listen_queue = listen_queue  # see listen_queue_for
         self._wall_clock = wall_clock  # wall time: it is compared with other hosts' clocks
         self._clock = clock  # how long a nonce is remembered: immune to clock steps
@@ -134,7 +136,7 @@ class RendezvousServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self._host, 0))
+            sock.bind((self._host, self._port))
             sock.listen(self._listen_queue)
         except OSError:
             sock.close()

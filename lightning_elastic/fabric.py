@@ -81,6 +81,7 @@ class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
 
     def _configure_launcher(self) -> None:
         self._launcher = None  # the processes exist already: lightning-elastic launch started them
+        self._warn_ignored_settings("Fabric")  # Fabric has set devices and num_nodes by now
 
     def _setup_distributed(self) -> None:
         # The worker forms each round's group at its rendezvous; Fabric only reads the ranks.

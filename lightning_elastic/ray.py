@@ -26,6 +26,7 @@ from typing import IO, Any
 from lightning_elastic.launcher.config import LaunchConfig, RaySettings
 from lightning_elastic.launcher.driver import Driver, JobResult, run_driver
 from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.events import prepare_log_dir
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.ray import require_ray
 
@@ -102,6 +103,10 @@ class ElasticRayExecutor:
         from lightning_elastic.launcher.ray.backend import ray_backend  # noqa: PLC0415
 
         _show_driver_log()
+        if self._config.log_dir is not None:  # each run is a job: keep the previous one's files
+            moved = prepare_log_dir(self._config.log_dir)
+            if moved:
+                logging.getLogger("lightning_elastic.driver").info("%s.", moved)
         function = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
         with ray_backend(self._config, OutputSink(self._out), function) as backend:
             result = run_driver(Driver(backend.config, backend.nodes, backend.launcher, backend.nodes.is_local))

@@ -41,17 +41,36 @@ class _StateRecovery:
         self._state.restore()
 
 
-def run(func: Callable[..., R]) -> Callable[..., R]:
+def run(func: Callable[..., R] | None = None) -> Callable[..., R]:
     """Run ``func(state, ...)`` elastically (see ``lightning_elastic.recovery``).
 
     A lost peer restores the last commit; a host change keeps the live state; either way the
     worker joins the next round, runs the reset callbacks, takes rank 0's state and calls
     ``func`` again. Any other error is the user's: reported to the driver and re-raised.
     """
+    if not callable(func):
+        # @le.run() or le.run(state): the decorator takes the training function itself.
+        got = "nothing" if func is None else type(func).__name__
+        raise TypeError(
+            f"@le.run: expected the training function, got {got}: write @le.run (no parentheses) "
+            "above def train(state, ...), then call train(state)"
+        )
+    name = getattr(func, "__qualname__", repr(func))
 
     @functools.wraps(func)
-    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
-        recovery = _StateRecovery(state, lambda: func(state, *args, **kwargs))
+    def wrapper(*args: Any, **kwargs: Any) -> R:
+        state, rest = (args[0], args[1:]) if args else (kwargs.pop("state", None), ())
+        if not isinstance(state, State):
+            # Without this, the first use of ``state.worker`` raises an AttributeError that
+            # names neither @le.run nor the state.
+            got = "no argument" if state is None and not args else type(state).__name__
+            method = state is not None and hasattr(type(state), func.__name__)  # self came first
+            raise TypeError(
+                f"{name}, decorated with @le.run, takes a lightning_elastic state as its first argument "
+                f"(le.TorchState, le.ObjectState, le.FabricState), got {got}: call {func.__name__}(state, ...)"
+                + ("; on a method, decorate a function whose first argument is the state" if method else "")
+            )
+        recovery = _StateRecovery(state, lambda: func(state, *rest, **kwargs))
         return RetryEngine(state.worker, recovery).run()
 
     return wrapper

@@ -69,7 +69,12 @@ class WorkerProcess(Protocol):
 
 class WorkerLauncher(Protocol):
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> WorkerProcess:
-        """Start the worker; ``prefix()`` is read for every output line (the rank can change)."""
+        """Start the worker; ``prefix()`` is read for every output line (the rank can change).
+
+        Raises ``StartError`` when no process could be started (the command, or ssh, cannot
+        be executed on this machine); a worker that starts and then fails is a process
+        whose exit says so.
+        """
         ...
 
 

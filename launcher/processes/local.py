@@ -7,6 +7,7 @@ import subprocess
 from collections.abc import Callable
 from typing import IO
 
+from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.network import collective_interface_env
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
@@ -24,7 +25,10 @@ class LocalLauncher:
         env = {**os.environ, **spec.env}
         if "MASTER_ADDR" in env:  # collectives go out through the interface that reaches the driver
             env.update(collective_interface_env(env, env["MASTER_ADDR"]))
-        proc = spawn_worker(spec.command, env, spec.secret, spec.cwd, subprocess.PIPE, ENV_SECRET_FD)
+        try:
+            proc = spawn_worker(spec.command, env, spec.secret, spec.cwd, subprocess.PIPE, ENV_SECRET_FD)
+        except OSError as err:  # the command cannot be executed here (gone, or not executable)
+            raise StartError(f"COMMAND: {spec.command[0]}: {err.strerror or err}") from None
         assert proc.stdout is not None
         forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._sink, f"output-{proc.pid}")
         forwarder.start()

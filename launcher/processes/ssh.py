@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import IO
 
 from lightning_elastic.launcher.config import SshSettings
+from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.processes.spawn import die_with_parent_preexec
@@ -83,14 +84,17 @@ class SshLauncher:
         }
         argv = [*ssh_argv(self._settings, spec.host), remote_command(spec.cwd)]
         log.debug("Starting worker %s: %s", spec.worker_id, shlex.join(argv))
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # a Ctrl-C at the driver's terminal is the driver's to handle
-            preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
-        )
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # a Ctrl-C at the driver's terminal is the driver's to handle
+                preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
+            )
+        except OSError as err:  # no OpenSSH client here: no remote host can get a worker
+            raise StartError(f"cannot run ssh to start a worker on {spec.host}: {err.strerror or err}") from None
         assert proc.stdout is not None
         forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._sink, f"ssh-output-{proc.pid}")
         forwarder.start()

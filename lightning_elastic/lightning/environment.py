@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_elastic import api
 from lightning_elastic.worker import ElasticWorker
@@ -91,6 +92,31 @@ class WorkerBacked:
                                     backend=self._requested_backend)
             self._worker.configure_collectives(self._collective_timeout, self._requested_backend)
         return self._worker
+
+    def _warn_ignored_settings(self, api: str) -> None:
+        """Say that ``devices`` and ``num_nodes`` change nothing here (called once Lightning has
+        set them): the launcher decides how many processes run and where, and each uses one
+        device. Without this, ``devices=4`` silently trains with the launcher's world.
+
+        Every visible GPU (``devices="auto"`` on a GPU machine, as torchrun scripts write
+        it) is not a request: each process still takes the GPU of its local rank.
+        """
+        devices = self.parallel_devices or []
+        all_gpus = bool(devices) and devices[0].type == "cuda" and len(devices) == torch.cuda.device_count()
+        size = self.worker.assignment.size
+        if len(devices) > 1 and not all_gpus:
+            rank_zero_warn(
+                f'lightning-elastic: strategy="elastic_hvd" ignores {api}(devices=...) asking for {len(devices)} '
+                f"devices: lightning-elastic launch starts one process per device (launch -np and the hosts' slots "
+                f"set how many; the job has {size} now), and this process uses {self.root_device}. Leave devices out."
+            )
+        num_nodes = getattr(self, "num_nodes", 1)
+        if num_nodes != 1:
+            rank_zero_warn(
+                f'lightning-elastic: strategy="elastic_hvd" ignores {api}(num_nodes={num_nodes}): the hosts are '
+                "lightning-elastic launch's (-H, --hostfile, --host-discovery-script or --ray; the job has "
+                f"{size} process(es) now). Leave num_nodes out."
+            )
 
     def _wants_cuda(self) -> bool:
         """Did Lightning choose GPUs for this strategy (its accelerator's devices)?"""

@@ -93,6 +93,7 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         from lightning_elastic.lightning.fit_launcher import ElasticFitLauncher
 
         self._launcher = ElasticFitLauncher(self)
+        self._warn_ignored_settings("Trainer")  # the Trainer has set devices and num_nodes by now
 
     def setup_distributed(self) -> None:
         # The worker formed this round's group at rendezvous; only Lightning's view is updated.

@@ -7,6 +7,8 @@ are checked through ``config_from_args`` only, which builds the config without l
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -28,6 +30,12 @@ def keep_root_logging():
     root.setLevel(level)
 
 
+@pytest.fixture(autouse=True)
+def python_on_path(monkeypatch):
+    # The commands below name "python": found on PATH as a worker would find it, here too.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     # A safety net, not a mock of behaviour under test: if validation wrongly let argv
@@ -38,13 +46,13 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(cli, "launch", refuse)
 
 
-def parse(*argv: str):
-    return cli.config_from_args(cli.build_parser().parse_args(["launch", *argv]))
+def parse(*argv: str, environ: dict[str, str] | None = None):
+    return cli.config_from_args(cli.parse_args(["launch", *argv], environ or {}))
 
 
-def run_main(capsys, *argv: str) -> tuple[int, list[str]]:
+def run_main(capsys, *argv: str, environ: dict[str, str] | None = None) -> tuple[int, list[str]]:
     try:
-        code = cli.main(["launch", *argv])
+        code = cli.main(["launch", *argv], environ or {})
     except SystemExit as exit_:
         code = exit_.code
     captured = capsys.readouterr()
@@ -250,8 +258,8 @@ def test_heartbeat_timeout_reaches_the_config():
 
 
 def test_driver_address_and_interface_reach_the_config():
-    c = parse("--driver-address", "10.0.0.5", "--network-interface", "eth1", "python")
-    assert (c.driver_address, c.network_interface) == ("10.0.0.5", "eth1")
+    c = parse("--driver-address", "127.0.0.1", "--network-interface", "lo", "python")  # checked: this machine's
+    assert (c.driver_address, c.network_interface) == ("127.0.0.1", "lo")
 
 
 def test_env_name_value_is_kept_as_given():
@@ -394,3 +402,238 @@ def test_ray_auto_without_a_cluster_says_what_to_do(capsys, monkeypatch):
     assert code == 2
     assert lines == ["lightning-elastic: error: --ray auto: no running Ray cluster found from this machine; start "
                      "one (ray start --head), give its HOST:PORT, or use --ray local"]
+
+
+# ----- --version, --hostfile, --port, --stop-grace, --discovery-timeout -------------------
+
+
+def test_version_is_printed_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"], {})
+    assert info.value.code == 0
+    assert capsys.readouterr().out == "lightning-elastic 0.1.0\n"
+
+
+def test_new_bounds_and_port_reach_the_config():
+    c = parse("--stop-grace", "12", "--discovery-timeout", "90", "--port", "29500", "python")
+    assert (c.timeouts.stop_grace, c.timeouts.discovery, c.port) == (12.0, 90.0, 29500)
+
+
+def test_new_bounds_default_to_the_old_constants():
+    c = parse("python")
+    assert (c.timeouts.stop_grace, c.timeouts.discovery, c.port) == (5.0, 30.0, None)
+
+
+def test_hostfile_in_mpirun_and_horovod_forms_is_a_fixed_host_list(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the cluster\nnode1 slots=4\nnode2 slots=2 max_slots=8  # mpirun's bound, ignored\n\n"
+                        "node3:1\nnode4\n")
+    c = parse("--hostfile", str(hostfile), "--slots-per-host", "3", "python")
+    assert c.hosts == (HostSlots("node1", 4), HostSlots("node2", 2), HostSlots("node3", 1), HostSlots("node4", 3))
+    assert c.np == 10 and c.discovery_script is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("node1 slots=4\nnode2 slots 4\n",
+         "--hostfile {path} line 2: invalid entry 'node2 slots 4', expected HOST slots=N or HOST:SLOTS"),
+        ("node1:2 slots=4\n", "--hostfile {path} line 1: invalid entry 'node1:2 slots=4', expected HOST slots=N or HOST:SLOTS"),
+        ("node1 slots=0\n", "--hostfile {path} line 1: slot count in 'node1:0' must be at least 1, got 0"),
+        ("node1\n", "--hostfile {path} line 1: host entry 'node1' has no slot count; write HOST:SLOTS or pass "
+                    "--slots-per-host"),
+        ("# nothing\n\n", "--hostfile {path}: lists no host, expected one HOST slots=N (or HOST:SLOTS) a line"),
+        ("a slots=1\na slots=2\n", "--hostfile {path}: host 'a' is listed twice"),
+    ],
+)
+def test_invalid_hostfile_exits_2_naming_the_file_and_line(capsys, no_launch, tmp_path, text, message):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(text)
+    code, lines = run_main(capsys, "--hostfile", str(hostfile), "python")
+    assert (code, lines) == (2, [f"lightning-elastic: error: {message.format(path=hostfile)}"])
+
+
+def test_missing_hostfile_exits_2(capsys, no_launch, tmp_path):
+    code, lines = run_main(capsys, "--hostfile", str(tmp_path / "nope"), "python")
+    assert (code, lines) == (2, [f"lightning-elastic: error: --hostfile: {tmp_path / 'nope'}: No such file or directory"])
+
+
+def test_hostfile_with_another_host_source_is_refused_by_argparse(capsys, no_launch, tmp_path):
+    code, lines = run_main(capsys, "--hostfile", str(tmp_path), "-H", "a:1", "python")
+    assert code == 2
+    assert lines[-1] == "lightning-elastic launch: error: argument -H/--hosts: not allowed with argument --hostfile"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "0"], "--port: expected a port number 1..65535, got 0"),
+        (["--port", "65536"], "--port: expected a port number 1..65535, got 65536"),
+        (["--stop-grace", "0"], "--stop-grace: expected a positive, finite number of seconds, got 0.0"),
+        (["--stop-grace", "inf"], "--stop-grace: expected a positive, finite number of seconds, got inf"),
+        (["--discovery-timeout", "-1"], "--discovery-timeout: expected a positive, finite number of seconds, got -1.0"),
+        (["--discovery-timeout", "nan"], "--discovery-timeout: expected a positive, finite number of seconds, got nan"),
+    ],
+)
+def test_invalid_new_values_exit_2_with_one_line(capsys, no_launch, argv, message):
+    code, lines = run_main(capsys, *argv, "python")
+    assert (code, lines) == (2, [f"lightning-elastic: error: {message}"])
+
+
+# ----- the command -------------------------------------------------------------------------
+
+
+def test_a_py_command_runs_with_this_python(tmp_path, monkeypatch, caplog):
+    (tmp_path / "train.py").write_text("print('hi')\n")  # not executable, no shebang
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO, logger="lightning_elastic.cli"):
+        c = parse("-np", "2", "train.py", "--lr", "0.1")
+    assert c.command == (sys.executable, "train.py", "--lr", "0.1")
+    assert caplog.messages == [f"Running train.py with this Python, as torchrun does: {sys.executable} train.py."]
+
+
+@pytest.mark.parametrize(
+    ("setup", "command", "message"),
+    [
+        (None, "nosuch-program-xyz", "COMMAND: nosuch-program-xyz: no such program on PATH"),
+        ("file", "run.sh", "COMMAND: run.sh: no such program on PATH (to run the file here, write ./run.sh)"),
+        (None, "./run.sh", "COMMAND: ./run.sh: no such file"),
+        ("dir", "./run.sh", "COMMAND: ./run.sh: is a directory, expected a program or a script"),
+        ("file", "./run.sh", "COMMAND: ./run.sh: not executable (chmod +x it, or name its interpreter first)"),
+        (None, "missing.py", "COMMAND: missing.py: no such file"),
+    ],
+)
+def test_a_command_that_cannot_run_exits_2_before_anything_starts(capsys, no_launch, tmp_path, monkeypatch,
+                                                                    setup, command, message):
+    monkeypatch.chdir(tmp_path)
+    if setup == "file":
+        (tmp_path / "run.sh").write_text("echo hi\n")
+    elif setup == "dir":
+        (tmp_path / "run.sh").mkdir()
+    code, lines = run_main(capsys, "-np", "1", command)
+    assert (code, lines) == (2, [f"lightning-elastic: error: {message}"])
+
+
+def test_an_executable_command_by_path_is_accepted(tmp_path, monkeypatch):
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    assert parse("./run.sh", "x").command == ("./run.sh", "x")
+
+
+# ----- inputs checked before the driver runs ---------------------------------------------
+
+
+def test_discovery_script_that_is_a_directory_is_refused(capsys, no_launch, tmp_path):
+    code, lines = run_main(capsys, "-np", "1", "--host-discovery-script", str(tmp_path), "python")
+    assert (code, lines) == (2, [f"lightning-elastic: error: --host-discovery-script: {tmp_path} is not an executable file"])
+
+
+def test_log_dir_that_is_a_file_is_refused(capsys, no_launch, tmp_path):
+    path = tmp_path / "afile"
+    path.write_text("")
+    code, lines = run_main(capsys, "--log-dir", str(path), "python")
+    assert (code, lines) == (2, [f"lightning-elastic: error: --log-dir: {path} is a file, expected a directory"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--driver-address", "10.255.0.99"], "--driver-address: 10.255.0.99 is not an address of this machine"),
+        (["--driver-address", "driver.example"], "--driver-address: expected an IPv4 address, got 'driver.example'"),
+    ],
+)
+def test_driver_address_this_machine_has_not_exits_2_before_anything_starts(capsys, no_launch, argv, message):
+    code, lines = run_main(capsys, *argv, "python")
+    assert (code, lines) == (2, [f"lightning-elastic: error: {message}"])
+
+
+def test_unknown_network_interface_exits_2_before_anything_starts(capsys, no_launch):
+    code, lines = run_main(capsys, "--network-interface", "nosuch0", "python")
+    assert code == 2 and len(lines) == 1
+    assert lines[0].startswith("lightning-elastic: error: --network-interface: 'nosuch0' has no IPv4 address here (")
+
+
+# ----- LIGHTNING_ELASTIC_* -----------------------------------------------------------------
+
+
+def test_every_launch_option_has_its_variable():
+    names = cli.environment_options()
+    assert names["LIGHTNING_ELASTIC_NUM_PROC"] == "-np/--num-proc"
+    assert names["LIGHTNING_ELASTIC_MIN_NP"] == "--min-np"
+    assert names["LIGHTNING_ELASTIC_SLOTS_PER_HOST"] == "--slots-per-host/--slots"
+    assert names["LIGHTNING_ELASTIC_ENV"] == "-x/--env"
+    dests = {a.dest for a in cli.launch_options(cli.build_parser())}
+    assert len(names) == len(dests)  # one variable per option, none shared
+    # None is a variable of the workers' with another meaning (the driver sets
+    # LIGHTNING_ELASTIC_HEARTBEAT_TIMEOUT and _PREEMPTION_GRACE for its workers: the same values).
+    assert not set(names) & {"LIGHTNING_ELASTIC_DRIVER_URL", "LIGHTNING_ELASTIC_SECRET_FD",
+                             "LIGHTNING_ELASTIC_WORKER_ID", "LIGHTNING_ELASTIC_HOSTNAME",
+                             "LIGHTNING_ELASTIC_HEARTBEAT_INTERVAL", "LIGHTNING_ELASTIC_CUDA_DEVICE",
+                             "LIGHTNING_ELASTIC_LOST_MEMBER_WAIT", "LIGHTNING_ELASTIC_PROCESS_GROUP_TIMEOUT"}
+
+
+def test_the_readme_cli_table_names_every_option_and_its_variable():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("| option | meaning | default | environment |"):readme.index("**The timeline.**")]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    documented = {name for row in rows for name in re.findall(r"LIGHTNING_ELASTIC_\w+", row.split(" | ")[-1])}
+    assert documented == set(cli.environment_options())
+    options = " ".join(row.split(" | ")[0] for row in rows)
+    for action in cli.launch_options(cli.build_parser()):
+        assert any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", options) for o in action.option_strings), \
+            f"README's CLI table has no row for {action.option_strings}"
+
+
+def test_options_come_from_the_environment(tmp_path):
+    key = tmp_path / "key"
+    key.write_text("k")
+    c = parse("python", environ={
+        "LIGHTNING_ELASTIC_NUM_PROC": "2", "LIGHTNING_ELASTIC_MIN_NP": "1", "LIGHTNING_ELASTIC_MAX_NP": "4",
+        "LIGHTNING_ELASTIC_HOSTS": "127.0.0.1:2,127.0.0.2:2", "LIGHTNING_ELASTIC_VERBOSE": "yes",
+        "LIGHTNING_ELASTIC_ELASTIC_TIMEOUT": "30", "LIGHTNING_ELASTIC_BLACKLIST_COOLDOWN_RANGE": "1 8",
+        "LIGHTNING_ELASTIC_ENV": "A=1 'B=two words'", "LIGHTNING_ELASTIC_SSH_OPTION": "StrictHostKeyChecking=no",
+        "LIGHTNING_ELASTIC_SSH_IDENTITY_FILE": str(key), "LIGHTNING_ELASTIC_LOG_DIR": str(tmp_path / "logs"),
+        "LIGHTNING_ELASTIC_STOP_GRACE": "9", "LIGHTNING_ELASTIC_PORT": "29500",
+        "LIGHTNING_ELASTIC_UNRELATED": "ignored", "LIGHTNING_ELASTIC_REPEATED_ERROR_LIMIT": "",  # empty: unset
+    })
+    assert (c.np, c.min_np, c.max_np) == (2, 1, 4)
+    assert c.hosts == (HostSlots("127.0.0.1", 2), HostSlots("127.0.0.2", 2))
+    assert c.verbose is True and c.elastic_timeout == 30.0 and c.blacklist_cooldown == (1.0, 8.0)
+    assert c.env == (("A", "1"), ("B", "two words"))
+    assert c.ssh == SshSettings(identity_file=key, options=("StrictHostKeyChecking=no",))
+    assert c.log_dir == tmp_path / "logs" and c.timeouts.stop_grace == 9.0 and c.port == 29500
+    assert c.repeated_error_limit == 3
+
+
+def test_the_command_line_wins_over_the_environment(script):
+    environ = {"LIGHTNING_ELASTIC_MIN_NP": "1", "LIGHTNING_ELASTIC_ENV": "A=env", "LIGHTNING_ELASTIC_VERBOSE": "1",
+               "LIGHTNING_ELASTIC_HOSTS": "a:1,b:1", "LIGHTNING_ELASTIC_DRIVER_ADDRESS": "127.0.0.1"}
+    c = parse("-np", "3", "--min-np", "2", "-x", "A=cli", "--host-discovery-script", str(script),
+              "--network-interface", "lo", "python", environ=environ)
+    assert (c.np, c.min_np) == (3, 2)
+    assert c.env == (("A", "cli"),)  # a repeatable option given replaces the variable's list
+    assert c.discovery_script == script and c.hosts is None  # one source given: no source from the environment
+    assert (c.driver_address, c.network_interface) == (None, "lo")
+    assert c.verbose is True  # not given on the command line: the variable's
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"LIGHTNING_ELASTIC_NUM_PROC": "two"}, "LIGHTNING_ELASTIC_NUM_PROC (-np/--num-proc): invalid int value: 'two'"),
+        ({"LIGHTNING_ELASTIC_VERBOSE": "maybe"},
+         "LIGHTNING_ELASTIC_VERBOSE (--verbose): expected 1, true, yes or on (0, false, no or off), got 'maybe'"),
+        ({"LIGHTNING_ELASTIC_BLACKLIST_COOLDOWN_RANGE": "5"},
+         "LIGHTNING_ELASTIC_BLACKLIST_COOLDOWN_RANGE (--blacklist-cooldown-range): expected 2 values, got '5'"),
+        ({"LIGHTNING_ELASTIC_ENV": "A='unclosed"}, "LIGHTNING_ELASTIC_ENV (-x/--env): No closing quotation, in \"A='unclosed\""),
+        ({"LIGHTNING_ELASTIC_HOSTS": "a:1", "LIGHTNING_ELASTIC_RAY": "auto"},
+         "LIGHTNING_ELASTIC_HOSTS, LIGHTNING_ELASTIC_RAY: give exactly one host source: -H/--hosts, --hostfile, "
+         "--host-discovery-script or --ray"),
+        ({"LIGHTNING_ELASTIC_MIN_NP": "5"}, "--min-np: must be between 1 and -np (1), got 5"),
+    ],
+)
+def test_invalid_variables_exit_2_with_one_line_naming_them(capsys, no_launch, environ, message):
+    code, lines = run_main(capsys, "python", environ=environ)
+    assert (code, lines) == (2, [f"lightning-elastic: error: {message}"])

@@ -46,8 +46,8 @@ def test_config_error_is_a_launch_error():
         (dict(min_np=0), "--min-np: must be between 1 and -np (2), got 0"),
         (dict(max_np=1), "--max-np: must be at least -np (2), got 1"),
         (dict(spares=-1), "--spares: expected 0 or more workers, got -1"),
-        (dict(hosts=None), "give exactly one host source: -H/--hosts, --host-discovery-script or --ray"),
-        (dict(discovery_script=Path("/bin/true")), "give exactly one host source: -H/--hosts, --host-discovery-script or --ray"),
+        (dict(hosts=None), "give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script or --ray"),
+        (dict(discovery_script=Path("/bin/true")), "give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script or --ray"),
         (dict(elastic_timeout=0.0), "--elastic-timeout: must be positive, got 0.0"),
         (dict(elastic_timeout=-5.0), "--elastic-timeout: must be positive, got -5.0"),
         (dict(reset_limit=-1), "--reset-limit: must be 0 or more, got -1"),
@@ -199,3 +199,39 @@ def test_heartbeat_period_is_a_quarter_of_the_timeout_between_1_and_2_5_s(timeou
 
 def test_an_explicit_heartbeat_interval_is_kept():
     assert Timeouts(heartbeat_interval=0.5, heartbeat_timeout=10.0).heartbeat_period == 0.5
+
+
+# ----- --stop-grace, --discovery-timeout, --port, --log-dir -------------------------------
+
+
+def test_stop_grace_and_discovery_timeout_defaults():
+    t = Timeouts()
+    assert (t.stop_grace, t.discovery) == (5.0, 30.0)
+
+
+@pytest.mark.parametrize(("field", "option"), [("stop_grace", "--stop-grace"), ("discovery", "--discovery-timeout")])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+def test_stop_grace_and_discovery_timeout_must_be_positive_and_finite(field, option, value):
+    with pytest.raises(ConfigError) as info:
+        Timeouts(**{field: value})
+    assert str(info.value) == f"{option}: expected a positive, finite number of seconds, got {value}"
+
+
+@pytest.mark.parametrize("port", [0, -1, 65536])
+def test_port_out_of_range_is_refused(port):
+    with pytest.raises(ConfigError) as info:
+        config(port=port)
+    assert str(info.value) == f"--port: expected a port number 1..65535, got {port}"
+
+
+def test_port_none_means_any_free_port():
+    assert config().port is None and config(port=29500).port == 29500
+
+
+def test_log_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "afile"
+    path.write_text("")
+    with pytest.raises(ConfigError) as info:
+        config(log_dir=path)
+    assert str(info.value) == f"--log-dir: {path} is a file, expected a directory"
+    assert config(log_dir=tmp_path / "new").log_dir == tmp_path / "new"  # created by launch(), not here

@@ -32,12 +32,11 @@ def script(tmp_path: Path, body: str) -> Path:
     ("setsid sh -c 'echo $$ > daemon.pid; exec sleep 30' &\nsleep 30\n", "did not finish within 1 s"),
 ], ids=["daemon-holds-stdout", "hangs-with-a-daemon"])
 def test_a_script_whose_daemon_holds_its_output_is_bounded(tmp_path, monkeypatch, body, said):
-    monkeypatch.setattr(discovery, "SCRIPT_TIMEOUT", 1.0)
     monkeypatch.chdir(tmp_path)
     started = time.monotonic()
     try:
         with pytest.raises(DiscoveryError, match=said):
-            ScriptDiscovery(script(tmp_path, body), 1).discover()
+            ScriptDiscovery(script(tmp_path, body), 1, timeout=1.0).discover()
         took = time.monotonic() - started
     finally:
         pid_file = tmp_path / "daemon.pid"

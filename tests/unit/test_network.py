@@ -185,9 +185,34 @@ def test_hosts_without_any_route_are_refused(monkeypatch):
     monkeypatch.setattr(network, "route_source", lambda address: None)
     with pytest.raises(ConfigError) as info:
         choose_driver_address(["node-a", "node-b"], nothing_is_local)
-    assert str(info.value) == (
-        "no route to any of the hosts node-a, node-b: pass --driver-address or --network-interface"
+    assert str(info.value) == (  # node-b is not named: the driver refuses it for its name alone
+        "no route to any of the hosts node-a: pass --driver-address or --network-interface"
     )
+
+
+def test_hosts_none_of_which_resolves_are_refused_saying_so(monkeypatch):
+    monkeypatch.setattr(network, "resolve", lambda host: None)
+    monkeypatch.setattr(network, "route_source", refuse)
+    with pytest.raises(ConfigError) as info:
+        choose_driver_address(["node-a", "node-b"], nothing_is_local)
+    assert str(info.value) == (
+        "no host name resolves (node-a, node-b): check the names, DNS or /etc/hosts (for an ssh config alias "
+        "pass --driver-address or --network-interface)"
+    )
+
+
+def test_classifier_says_which_names_resolve_asking_the_resolver_once(monkeypatch):
+    asked = []
+    monkeypatch.setattr(network, "resolve", lambda host: asked.append(host) or {"node-a": "10.0.0.11"}.get(host))
+    classifier = HostClassifier()
+    assert classifier.resolves("node-a") and not classifier.resolves("nosuch.invalid")
+    assert not classifier.resolves("nosuch.invalid")
+    assert classifier.resolves("localhost") and classifier.resolves("127.0.0.2") and classifier.resolves(TEST_NET)
+    assert asked == ["node-a", "nosuch.invalid"]
+
+
+def test_a_real_name_that_cannot_resolve_does_not():
+    assert not HostClassifier().resolves("nosuch-host.invalid")  # RFC 6761: .invalid never resolves
 
 
 def test_an_unroutable_host_beside_a_routable_one_uses_the_routable_ones_source(monkeypatch):

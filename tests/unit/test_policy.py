@@ -226,3 +226,22 @@ def test_no_previous_round_is_fine():
 def test_verdict_is_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Verdict(True, "x").success = False  # type: ignore[misc]
+
+
+# ----- a command that never joins the job ----------------------------------------------------
+
+
+def test_a_worker_that_exited_without_joining_ends_the_job_saying_how_to_join():
+    v = view(never_joined="worker localhost[0]#0 exited with status 0 without ever joining the job",
+             live_workers=1, below_required_for=0.0, slots_can_grow=False, blacklisted=("localhost[0]",))
+    assert decide_verdict(v, TIMEOUT) == Verdict(
+        False,
+        "worker localhost[0]#0 exited with status 0 without ever joining the job; the script must join it: "
+        'call lightning_elastic.init() (before @le.run), or build Trainer(strategy="elastic_hvd") or '
+        'Fabric(strategy="elastic_hvd")',
+    )
+
+
+def test_without_a_worker_that_never_joined_the_fixed_list_verdict_stands():
+    v = view(live_workers=1, below_required_for=0.0, slots_can_grow=False)
+    assert decide_verdict(v, TIMEOUT).reason.startswith("2 slot(s) needed and 2 left in the fixed host list")

@@ -41,3 +41,54 @@ def test_invalid_options_fail_when_the_strategy_is_built(kwargs, message):
     with pytest.raises(ValueError) as info:
         ElasticStrategy(**kwargs)
     assert str(info.value) == message
+
+
+# ----- devices and num_nodes: the launcher decides, a value asking otherwise is said to be ignored ----
+
+
+def build(api: str, **kwargs):
+    """A Trainer or Fabric with the elastic strategy in a world of one; the warnings it gave."""
+    import warnings  # noqa: PLC0415
+
+    worker = ElasticWorker(None)
+    worker.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if api == "Trainer":
+                import lightning.pytorch as pl  # noqa: PLC0415
+
+                pl.Trainer(strategy=ElasticStrategy(worker=worker), accelerator="cpu", logger=False,
+                           enable_progress_bar=False, enable_model_summary=False, **kwargs)
+            else:
+                from lightning.fabric import Fabric  # noqa: PLC0415
+
+                from lightning_elastic.fabric import ElasticFabricStrategy  # noqa: PLC0415
+
+                Fabric(strategy=ElasticFabricStrategy(worker=worker), accelerator="cpu", **kwargs)
+    finally:
+        worker.shutdown()
+    return [str(w.message) for w in caught if "lightning-elastic" in str(w.message)]
+
+
+@pytest.mark.parametrize("api", ["Trainer", "Fabric"])
+def test_devices_asking_for_several_processes_are_said_to_be_ignored(api):
+    assert build(api, devices=4) == [
+        f'lightning-elastic: strategy="elastic_hvd" ignores {api}(devices=...) asking for 4 devices: '
+        "lightning-elastic launch starts one process per device (launch -np and the hosts' slots set how many; "
+        "the job has 1 now), and this process uses cpu. Leave devices out."
+    ]
+
+
+@pytest.mark.parametrize("api", ["Trainer", "Fabric"])
+def test_num_nodes_is_said_to_be_ignored(api):
+    assert build(api, num_nodes=2) == [
+        f'lightning-elastic: strategy="elastic_hvd" ignores {api}(num_nodes=2): the hosts are lightning-elastic '
+        "launch's (-H, --hostfile, --host-discovery-script or --ray; the job has 1 process(es) now). "
+        "Leave num_nodes out."
+    ]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"devices": 1}, {"devices": "auto", "num_nodes": 1}])
+def test_devices_and_num_nodes_that_ask_for_nothing_else_say_nothing(kwargs):
+    assert build("Trainer", **kwargs) == []

@@ -1,0 +1,393 @@
+"""Every bad input gets its one line (issue 26, items 3, 4 and 7), through the real CLI.
+
+Each case runs ``lightning-elastic`` as a user would, in a directory of its own, and checks
+the exit status and the exact line the input gets: an invalid option is the only line on
+stderr, with exit status 2 and nothing started; a job that ends says it in its last line; a
+warning the driver logs is one line among the others. Then ``docs/troubleshooting.md`` must
+have a table row for that line, its values written as NAMES (``{path}`` becomes ``PATH``),
+so the documentation and the behaviour cannot drift apart. A few cases run real workers:
+the driver's own behaviour (a ``.py`` command without ``python``, a host whose name does not
+resolve beside one that does, a ``--log-dir`` used twice, a script that never joins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from lightning_elastic.launcher.network import local_addresses
+from tests.integration.harness import LAUNCHER, REPO, processes_running, wait_for
+
+pytestmark = pytest.mark.integration
+
+TROUBLESHOOTING = REPO / "docs" / "troubleshooting.md"
+PYTHON = sys.executable
+# The driver's own interpreter, which runs a .py command: the one the launcher's script names.
+DRIVER_PYTHON = LAUNCHER.read_text().splitlines()[0].removeprefix("#!").strip()
+UNRESOLVABLE = "nosuch-host.invalid"  # RFC 6761: a name under .invalid never resolves
+FOREIGN = "198.51.100.7"  # TEST-NET-2: never an address of this machine
+
+# A script that joins the job, trains one step and says which port the driver serves on.
+JOINS = """\
+import os
+import lightning_elastic as le
+
+le.init()
+print("MASTER_PORT", os.environ["MASTER_PORT"], flush=True)
+state = le.ObjectState(step=0)
+
+
+@le.run
+def train(state):
+    state.step += 1
+    state.commit()
+
+
+train(state)
+"""
+
+PREFIXES = {
+    "error": "lightning-elastic: error: ",  # an invalid input: the only line, exit status 2
+    "job": "lightning-elastic: job failed: ",  # how the job ended: the last line
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """A line the CLI prints: its template, and the values this run fills in."""
+
+    template: str
+    values: dict[str, object]
+
+    @property
+    def text(self) -> str:
+        return self.template.format(**self.values)
+
+    @property
+    def documented(self) -> str:
+        """As docs/troubleshooting.md writes it: each value as its NAME."""
+        return self.template.format(**{name: name.upper() for name in self.values})
+
+
+@dataclasses.dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Iterator[Path]:
+    """The case's own directory; afterwards no process started from it may be left running."""
+    yield tmp_path
+    try:
+        wait_for(lambda: not processes_running(str(tmp_path)), 15, "the job's processes to exit")
+    except AssertionError:
+        stray = processes_running(str(tmp_path))
+        for proc in stray:
+            proc.kill()
+        pytest.fail(f"processes left behind: {[p.pid for p in stray]}")
+
+
+def cli(workdir: Path, *argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> Run:
+    """``lightning-elastic ARGV`` run in ``workdir`` (bounded: killed after ``timeout``)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ELASTIC_")}
+    environ.update(env or {})
+    done = subprocess.run([str(LAUNCHER), *argv], cwd=workdir, env=environ, capture_output=True, text=True,
+                          timeout=timeout)
+    return Run(done.returncode, done.stdout, done.stderr)
+
+
+def documented_lines() -> set[str]:
+    """The message cell (the first, in backticks) of every table row of the troubleshooting page."""
+    rows = set()
+    for line in TROUBLESHOOTING.read_text().splitlines():
+        match = re.match(r"\| `(.+?)` \|", line)
+        if match:
+            rows.add(match.group(1))
+    return rows
+
+
+def assert_documented(line: Line) -> None:
+    assert line.documented in documented_lines(), (
+        f"docs/troubleshooting.md has no row for `{line.documented}`: add one, its message cell in backticks"
+    )
+
+
+def executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def interfaces() -> str:
+    return ", ".join(sorted(set(local_addresses().values())))
+
+
+# ----- invalid inputs: the only line on stderr, exit status 2 --------------------------------
+#
+# Each case: (what to set up in the directory) -> (argv, environment, the line).
+
+Case = Callable[[Path], tuple[list[str], dict[str, str], Line]]
+
+
+def command_not_on_path(d: Path):
+    return ["launch", "-np", "1", "nosuch-program-xyz"], {}, Line(
+        "COMMAND: {name}: no such program on PATH", {"name": "nosuch-program-xyz"})
+
+
+def command_here_but_not_on_path(d: Path):
+    executable(d / "run.sh")
+    return ["launch", "-np", "1", "run.sh"], {}, Line(
+        "COMMAND: {name}: no such program on PATH (to run the file here, write ./{name})", {"name": "run.sh"})
+
+
+def command_file_missing(d: Path):
+    return ["launch", "-np", "1", "./nope.sh"], {}, Line("COMMAND: {path}: no such file", {"path": "./nope.sh"})
+
+
+def py_command_missing(d: Path):
+    return ["launch", "-np", "1", "missing.py"], {}, Line("COMMAND: {path}: no such file", {"path": "missing.py"})
+
+
+def command_not_executable(d: Path):
+    (d / "run.sh").write_text("echo hi\n")
+    return ["launch", "-np", "1", "./run.sh"], {}, Line(
+        "COMMAND: {path}: not executable (chmod +x it, or name its interpreter first)", {"path": "./run.sh"})
+
+
+def command_is_a_directory(d: Path):
+    (d / "tools").mkdir()
+    return ["launch", "-np", "1", "./tools"], {}, Line(
+        "COMMAND: {path}: is a directory, expected a program or a script", {"path": "./tools"})
+
+
+def log_dir_is_a_file(d: Path):
+    (d / "logs").write_text("")
+    return ["launch", "--log-dir", str(d / "logs"), PYTHON, "-c", "pass"], {}, Line(
+        "--log-dir: {path} is a file, expected a directory", {"path": d / "logs"})
+
+
+def log_dir_under_a_file(d: Path):
+    (d / "logs").write_text("")
+    return ["launch", "--log-dir", str(d / "logs" / "job"), PYTHON, "-c", "pass"], {}, Line(
+        "--log-dir: cannot create {path}: {reason}", {"path": d / "logs" / "job", "reason": "Not a directory"})
+
+
+def driver_address_foreign(d: Path):
+    return ["launch", "--driver-address", FOREIGN, PYTHON, "-c", "pass"], {}, Line(
+        "--driver-address: {address} is not an address of this machine", {"address": FOREIGN})
+
+
+def driver_address_not_ipv4(d: Path):
+    return ["launch", "--driver-address", "driver.example", PYTHON, "-c", "pass"], {}, Line(
+        "--driver-address: expected an IPv4 address, got '{value}'", {"value": "driver.example"})
+
+
+def network_interface_unknown(d: Path):
+    return ["launch", "--network-interface", "nosuch0", PYTHON, "-c", "pass"], {}, Line(
+        "--network-interface: '{name}' has no IPv4 address here (interfaces: {interfaces})",
+        {"name": "nosuch0", "interfaces": interfaces()})
+
+
+def discovery_script_is_a_directory(d: Path):
+    return ["launch", "-np", "1", "--host-discovery-script", str(d), PYTHON, "-c", "pass"], {}, Line(
+        "--host-discovery-script: {path} is not an executable file", {"path": d})
+
+
+def hostfile_missing(d: Path):
+    return ["launch", "--hostfile", str(d / "hosts"), PYTHON, "-c", "pass"], {}, Line(
+        "--hostfile: {path}: {reason}", {"path": d / "hosts", "reason": "No such file or directory"})
+
+
+def hostfile_bad_line(d: Path):
+    (d / "hosts").write_text("node1 slots=2\nnode2 slots 2\n")
+    return ["launch", "--hostfile", str(d / "hosts"), PYTHON, "-c", "pass"], {}, Line(
+        "--hostfile {path} line {n}: invalid entry '{entry}', expected HOST slots=N or HOST:SLOTS",
+        {"path": d / "hosts", "n": 2, "entry": "node2 slots 2"})
+
+
+def hostfile_empty(d: Path):
+    (d / "hosts").write_text("# no host yet\n")
+    return ["launch", "--hostfile", str(d / "hosts"), PYTHON, "-c", "pass"], {}, Line(
+        "--hostfile {path}: lists no host, expected one HOST slots=N (or HOST:SLOTS) a line", {"path": d / "hosts"})
+
+
+def port_out_of_range(d: Path):
+    return ["launch", "--port", "0", PYTHON, "-c", "pass"], {}, Line(
+        "--port: expected a port number 1..65535, got {port}", {"port": 0})
+
+
+def stop_grace_not_positive(d: Path):
+    return ["launch", "--stop-grace", "0", PYTHON, "-c", "pass"], {}, Line(
+        "{option}: expected a positive, finite number of seconds, got {value}",
+        {"option": "--stop-grace", "value": 0.0})
+
+
+def discovery_timeout_not_finite(d: Path):
+    return ["launch", "--discovery-timeout", "inf", PYTHON, "-c", "pass"], {}, Line(
+        "{option}: expected a positive, finite number of seconds, got {value}",
+        {"option": "--discovery-timeout", "value": "inf"})
+
+
+def variable_not_an_int(d: Path):
+    return ["launch", PYTHON, "-c", "pass"], {"LIGHTNING_ELASTIC_MIN_NP": "two"}, Line(
+        "{name} ({option}): invalid {kind} value: '{value}'",
+        {"name": "LIGHTNING_ELASTIC_MIN_NP", "option": "--min-np", "kind": "int", "value": "two"})
+
+
+def variable_not_a_flag(d: Path):
+    return ["launch", PYTHON, "-c", "pass"], {"LIGHTNING_ELASTIC_VERBOSE": "maybe"}, Line(
+        "{name} ({option}): expected 1, true, yes or on (0, false, no or off), got '{value}'",
+        {"name": "LIGHTNING_ELASTIC_VERBOSE", "option": "--verbose", "value": "maybe"})
+
+
+def variables_give_two_host_sources(d: Path):
+    env = {"LIGHTNING_ELASTIC_HOSTS": "localhost:1", "LIGHTNING_ELASTIC_RAY": "auto"}
+    return ["launch", PYTHON, "-c", "pass"], env, Line(
+        "{names}: give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script or --ray",
+        {"names": "LIGHTNING_ELASTIC_HOSTS, LIGHTNING_ELASTIC_RAY"})
+
+
+def only_host_does_not_resolve(d: Path):  # found by the driver, before any worker started
+    return ["launch", "-H", f"{UNRESOLVABLE}:1", PYTHON, "-c", "pass"], {}, Line(
+        "no host name resolves ({hosts}): check the names, DNS or /etc/hosts (for an ssh config alias pass "
+        "--driver-address or --network-interface)", {"hosts": UNRESOLVABLE})
+
+
+INVALID: list[Case] = [
+    command_not_on_path, command_here_but_not_on_path, command_file_missing, py_command_missing,
+    command_not_executable, command_is_a_directory, log_dir_is_a_file, log_dir_under_a_file,
+    driver_address_foreign, driver_address_not_ipv4, network_interface_unknown, discovery_script_is_a_directory,
+    hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
+    discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,
+    only_host_does_not_resolve,
+]
+
+
+@pytest.mark.parametrize("case", INVALID, ids=[c.__name__ for c in INVALID])
+def test_an_invalid_input_is_one_documented_line_with_exit_status_2(workdir: Path, case: Case) -> None:
+    argv, env, line = case(workdir)
+    run = cli(workdir, *argv, env=env, timeout=60)
+    assert (run.code, run.lines) == (2, [PREFIXES["error"] + line.text]), run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+    assert_documented(line)
+
+
+def test_a_port_in_use_is_one_documented_line_with_exit_status_2(workdir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = cli(workdir, "launch", "--port", str(port), PYTHON, "-c", "pass", timeout=60)
+    line = Line("--port: cannot serve on {address}:{port}: {reason}",
+                {"address": "127.0.0.1", "port": port, "reason": "Address already in use"})
+    assert (run.code, run.lines) == (2, [PREFIXES["error"] + line.text]), run.stderr
+    assert_documented(line)
+
+
+def test_version() -> None:
+    done = subprocess.run([str(LAUNCHER), "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "lightning-elastic 0.1.0\n", "")
+
+
+# ----- the driver's behaviour, with real workers ------------------------------------------
+
+
+def logged(run: Run, line: Line, level: str) -> list[str]:
+    """The driver's log lines that are ``line`` at ``level`` (after the time stamp)."""
+    pattern = re.compile(rf"^lightning-elastic \d\d:\d\d:\d\d {level} (.*)$")
+    return [m.group(1) for m in map(pattern.match, run.lines) if m and m.group(1) == line.text]
+
+
+def test_a_py_command_without_python_runs_with_the_drivers_python_on_a_fixed_port(workdir: Path) -> None:
+    (workdir / "train.py").write_text(JOINS)  # not executable, no shebang: torchrun's habit
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run = cli(workdir, "launch", "-np", "1", "--port", str(port), "train.py")
+    assert run.code == 0, run.stderr[-3000:]
+    line = Line("Running {script} with this Python, as torchrun does: {python} {script}.",
+                {"script": "train.py", "python": DRIVER_PYTHON})
+    assert logged(run, line, "INFO") == [line.text]
+    assert_documented(line)
+    assert re.search(rf"^\[[0-]\] MASTER_PORT {port}$", run.stdout, re.M), run.stdout  # served on --port
+
+
+def test_a_script_that_never_joins_the_job_fails_saying_how_to_join(workdir: Path) -> None:
+    (workdir / "nojoin.py").write_text("print('trained, in a way')\n")
+    run = cli(workdir, "launch", "-np", "2", PYTHON, "nojoin.py")
+    template = ("worker {worker} exited with status 0 without ever joining the job; the script must join it: "
+                'call lightning_elastic.init() (before @le.run), or build Trainer(strategy="elastic_hvd") or '
+                'Fabric(strategy="elastic_hvd")')
+    # Whichever worker exited first is named, and the job ends at once: no worker ever joined.
+    lines = [Line(template, {"worker": worker}) for worker in ("localhost[0]#0", "localhost[1]#1")]
+    assert run.code == 1, run.stderr[-3000:]
+    assert run.lines[-1] in [PREFIXES["job"] + line.text for line in lines], run.stderr[-3000:]
+    assert_documented(lines[0])
+
+
+def test_a_host_whose_name_does_not_resolve_is_refused_alone(workdir: Path) -> None:
+    (workdir / "train.py").write_text(JOINS)
+    run = cli(workdir, "launch", "-H", f"localhost:1,{UNRESOLVABLE}:1", "-np", "1", "--max-np", "2",
+              "--discovery-interval", "0.2", PYTHON, "train.py")
+    assert run.code == 0, run.stderr[-3000:]
+    line = Line("Ignoring host {host}: its name does not resolve (check it, DNS or /etc/hosts; for an ssh config "
+                "alias pass --driver-address or --network-interface); the job goes on with the other hosts.",
+                {"host": UNRESOLVABLE})
+    assert logged(run, line, "ERROR") == [line.text]  # once, though the host list is read again and again
+    assert "world sizes: 1)" in run.stderr
+    assert_documented(line)
+
+
+def test_a_log_dir_used_again_keeps_both_jobs(workdir: Path) -> None:
+    (workdir / "train.py").write_text(JOINS)
+    logs = workdir / "logs"
+    first = cli(workdir, "launch", "-np", "1", "--log-dir", str(logs), PYTHON, "train.py")
+    assert first.code == 0, first.stderr[-3000:]
+    first_events = (logs / "events.jsonl").read_text()
+    started = json.loads(first_events.splitlines()[0])["time"]
+    time.sleep(1.1)  # the second job starts in another second: its directory name differs from the first's
+    # The second time through the environment: LIGHTNING_ELASTIC_LOG_DIR is --log-dir.
+    second = cli(workdir, "launch", "-np", "1", PYTHON, "train.py", env={"LIGHTNING_ELASTIC_LOG_DIR": str(logs)})
+    assert second.code == 0, second.stderr[-3000:]
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    line = Line("--log-dir {dir} held a job started at {when}: moved its {n} file(s) to {dir}/job-{start} "
+                "(lightning-elastic timeline {dir}/job-{start} draws it).",
+                {"dir": logs, "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)), "n": 2,
+                 "start": stamp})
+    assert logged(second, line, "INFO") == [line.text]
+    assert_documented(line)
+    moved = logs / f"job-{stamp}"
+    assert (moved / "events.jsonl").read_text() == first_events  # the first job, whole
+    assert (moved / "worker-0-localhost-0.log").exists() and (logs / "worker-0-localhost-0.log").exists()
+    kinds = [json.loads(e)["kind"] for e in (logs / "events.jsonl").read_text().splitlines()]
+    assert kinds.count("job_started") == 1 and kinds[-1] == "job_ended"  # the second job alone
+    drawn = subprocess.run([str(LAUNCHER), "timeline", str(moved)], capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0 and (moved / "timeline.png").exists(), drawn.stderr
+
+
+def test_a_discovery_script_slower_than_discovery_timeout_fails_the_launch(workdir: Path) -> None:
+    script = executable(workdir / "discover.sh", "#!/bin/sh\nsleep 30\necho localhost:1\n")
+    started = time.monotonic()
+    run = cli(workdir, "launch", "-np", "1", "--host-discovery-script", str(script), "--discovery-timeout", "1",
+              PYTHON, "-c", "pass")
+    line = Line("host discovery script {path} did not finish within {seconds} s (--discovery-timeout)",
+                {"path": script, "seconds": 1})
+    assert (run.code, run.lines[-1]) == (1, PREFIXES["job"] + line.text), run.stderr
+    assert time.monotonic() - started < 20
+    assert_documented(line)
