@@ -203,9 +203,10 @@ class Driver:
         """One listening socket, on the job's address only: the signed rendezvous service,
         which also serves the process-group store (see launcher/store_service.py)."""
         workers = self._config.max_np + self._config.spares
+        port = self._config.port
         self._server = RendezvousServer(self._registry, self._secret, host=self._address,
                                         listen_queue=listen_queue_for(workers), limits=limits_for(workers),
-                                        port=self._config.port or 0)
+                                        port=port or 0)
         try:
             self._server.start()
         except OSError as err:
