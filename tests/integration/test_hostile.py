@@ -8,7 +8,6 @@ tests/unit/test_rendezvous_server.py (``test_a_driver_clock_step_and_its_correct
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
