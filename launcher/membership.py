@@ -81,7 +81,12 @@ def plan(view: MembershipView) -> Plan | None:
     the target (the slots are in host order, so a spare's slot is the next one taken).
     """
     desired = assign_slots(view.hosts, view.max_np + view.spares, vacant_slots(view))
-    target = tuple(assign_ranks([a.slot for a in desired[:view.max_np]]))
+    # Ranks over the target alone only when standby slots were planned after it: otherwise
+    # the planned world is the target, ranks and all (a pass at every decision, O(N)).
+    if len(desired) <= view.max_np:
+        target = tuple(desired)
+    else:
+        target = tuple(assign_ranks([a.slot for a in desired[:view.max_np]]))
     standby = tuple(a.slot for a in desired[view.max_np:])
     staffed = {w.slot for w in view.workers if not w.leave}
     if ([a.slot for a in target] == [a.slot for a in view.target] and standby == view.standby
