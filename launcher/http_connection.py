@@ -69,14 +69,12 @@ class ConnectionLimits:
         self.max_unauthenticated = max_unauthenticated
         self.idle_timeout = idle_timeout
         self._unauthenticated: dict[HttpConnection, None] = {}  # insertion-ordered set
-        self.evicted = 0
 
     def opened(self, connection: HttpConnection) -> None:
         self._unauthenticated[connection] = None
         while len(self._unauthenticated) > self.max_unauthenticated:
             oldest = next(iter(self._unauthenticated))
             self.forget(oldest)
-            self.evicted += 1
             oldest.close()
 
     def forget(self, connection: HttpConnection) -> None:
