@@ -15,11 +15,11 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 pip=("$venv/bin/pip" install -q --disable-pip-version-check)
-key="$(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha1sum | cut -c1-12)"
+key="$(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" "$root/scripts/install-torch-cpu.sh" | sha1sum | cut -c1-12)"
 stamp="$venv/.installed-$key"
 if [ ! -f "$stamp" ]; then
     rm -f "$venv"/.installed-*
-    "${pip[@]}" torch==2.13.0              # the CPU build on disk, as scripts/setup-venv.sh does
+    bash "$root/scripts/install-torch-cpu.sh" "$venv"   # torch==2.13.0+cpu, as for scripts/setup-venv.sh
     "${pip[@]}" -e "$root" matplotlib
     # torchft: a Rust extension plus opentelemetry; it must not replace torch 2.13.0.
     if "${pip[@]}" "$torchft_spec" "torch==2.13.0" >"$venv/torchft-install.log" 2>&1 \

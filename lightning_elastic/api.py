@@ -46,34 +46,78 @@ def _log_to_stderr() -> None:
 
 
 def current_worker() -> ElasticWorker:
+    """This process's ``ElasticWorker``, the one ``init()`` returned.
+
+    Raises ``RuntimeError`` before ``init()``. The functions below read it; the Lightning
+    and Fabric strategies call ``init()`` themselves.
+    """
     if _worker is None:
         raise RuntimeError("lightning_elastic is not initialised: call lightning_elastic.init() first")
     return _worker
 
 
 def rank() -> int:
+    """This worker's rank in the current round, ``0`` to ``size() - 1``.
+
+    Rank 0 is the oldest surviving worker (the one whose state the others take after a
+    reset). Ranks are given anew at every reset: read it again after one (in a reset
+    callback, or at the top of the function ``@run`` retries) rather than keeping it.
+    Raises ``RuntimeError`` before ``init()``.
+    """
     return current_worker().assignment.rank
 
 
 def size() -> int:
+    """How many workers train in the current round (the world size).
+
+    It changes at every reset (a lost worker, a host added or removed): scale what depends
+    on it, such as the learning rate, in a reset callback. Raises ``RuntimeError`` before
+    ``init()``.
+    """
     return current_worker().assignment.size
 
 
 def local_rank() -> int:
+    """This worker's slot on its host, ``0`` to the host's slots - 1.
+
+    Fixed for the worker's life (slots are not renumbered when a sibling is lost, so it can
+    be ``local_size()`` or more); the CUDA device is ``cuda:local_rank()`` unless the
+    launcher pinned another (on Ray, ``cuda:0``). Raises ``RuntimeError`` before ``init()``.
+    """
     return current_worker().assignment.local_rank
 
 
 def local_size() -> int:
+    """How many workers of the current round run on this worker's host.
+
+    Changes at every reset. Raises ``RuntimeError`` before ``init()``.
+    """
     return current_worker().assignment.local_size
 
 
 def cross_rank() -> int:
+    """This worker's host's index among the current round's hosts that have a worker with
+    the same ``local_rank()``, ``0`` to ``cross_size() - 1`` (as in Horovod).
+
+    With one worker per host it is the host's index. Changes at every reset. Raises
+    ``RuntimeError`` before ``init()``.
+    """
     return current_worker().assignment.cross_rank
 
 
 def cross_size() -> int:
+    """How many of the current round's hosts have a worker with this worker's
+    ``local_rank()`` (as in Horovod); with one worker per host, the number of hosts.
+
+    Changes at every reset. Raises ``RuntimeError`` before ``init()``.
+    """
     return current_worker().assignment.cross_size
 
 
 def slot_info() -> SlotInfo:
+    """All of the above at once, with the host's name, as a frozen ``SlotInfo``.
+
+    A snapshot of the current round: take a new one after a reset. Raises ``RuntimeError``
+    before ``init()``.
+    """
     return current_worker().slot_info()

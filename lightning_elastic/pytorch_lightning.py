@@ -2,8 +2,9 @@
 
 ``lightning.pytorch`` users take ``le.ElasticCallback``, ``le.ScaleLearningRate`` and
 ``le.ElasticStrategy``. The standalone ``pytorch_lightning`` package has classes of its own
-(its Trainer rejects a ``lightning.pytorch`` callback), so its users import the same names
-from here, built on ``pytorch_lightning``'s classes::
+(its strategy does not take a ``lightning.pytorch`` ``ElasticCallback`` for its own: it adds
+a default one beside it, and the options given are not used), so its users import the same
+names from here, built on ``pytorch_lightning``'s classes::
 
     import pytorch_lightning as pl
     from lightning_elastic.pytorch_lightning import ElasticCallback, ScaleLearningRate

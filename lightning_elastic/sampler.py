@@ -29,6 +29,17 @@ from lightning_elastic.worker import ElasticWorker
 
 
 class ElasticSampler(Sampler[int]):
+    """Each sample of an epoch once in the committed history, across any number of resets.
+
+    ``ElasticSampler(dataset, shuffle=True, seed=0)`` for a ``DataLoader``'s ``sampler``:
+    call ``set_epoch(epoch)`` at the start of every epoch and ``record_batch(batch_idx,
+    batch_size)`` after every step, and give it to ``TorchState(..., sampler=sampler)`` so
+    that its position is committed with the model. After a reset it splits what is left of
+    the epoch over the new world. ``worker`` defaults to the one ``le.init()`` made (a world
+    of one before it); ``batch_size`` makes ``len()`` count the epoch's batches at the
+    current world size (the Lightning and Fabric integrations install one themselves).
+    """
+
     def __init__(
         self,
         dataset: Sized,

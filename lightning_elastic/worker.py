@@ -53,6 +53,14 @@ ABANDON_AFTER_BROKEN_S = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class SlotInfo:
+    """Where a worker stands in the current round (``le.slot_info()``).
+
+    ``hostname``: the host the launcher started it on, as discovery or ``-H`` names it;
+    ``rank`` and ``size``: ``le.rank()`` and ``le.size()``; ``local_rank`` and
+    ``local_size``: its slot on the host and the round's workers there; ``cross_rank``
+    and ``cross_size``: its host among the hosts with a worker of the same local rank.
+    """
+
     hostname: str
     rank: int
     local_rank: int
@@ -153,6 +161,16 @@ def wait_or_give_up(
 
 
 class ElasticWorker:
+    """This process's membership of the job: its driver connection, heartbeat, current
+    round and process group.
+
+    Made by ``le.init()`` (one per process, ``le.current_worker()``); ``@le.run`` and the
+    Lightning and Fabric strategies drive it. Without the launcher's environment it is a
+    world of one that never resets. Of its methods a training script may use
+    ``check_host_updates()`` (what ``state.commit()`` calls), ``slot_info()``, ``device``
+    and ``backend``; the rest serve the retry loop.
+    """
+
     def __init__(
         self,
         settings: WorkerSettings | None,
@@ -205,12 +223,15 @@ class ElasticWorker:
 
     @property
     def collective_timeout(self) -> float:
+        """Seconds a collective may take: ``init(collective_timeout=...)`` or the strategy's
+        ``timeout``, else the launcher's ``--collective-timeout``."""
         if self._collective_timeout is not None:
             return self._collective_timeout
         return self.settings.process_group_timeout if self.settings else 1800.0
 
     @property
     def elastic(self) -> bool:
+        """True under ``lightning-elastic launch``; False in a world of one without it."""
         return self.settings is not None
 
     # ----- membership -----------------------------------------------------------------
@@ -347,13 +368,16 @@ class ElasticWorker:
 
     @property
     def backend(self) -> str:
+        """The current process group's backend: ``"nccl"`` or ``"gloo"``."""
         return self._backend.backend if self._backend else "gloo"
 
     @property
     def device(self) -> torch.device:
+        """Where this worker's tensors go: ``cuda:cuda_index`` with NCCL, else the CPU."""
         return self._backend.device if self._backend else torch.device("cpu")
 
     def slot_info(self) -> SlotInfo:
+        """``le.slot_info()``: this worker's place in the current round."""
         a = self.assignment
         hostname = self.settings.hostname if self.settings else a.hostname
         return SlotInfo(hostname, a.rank, a.local_rank, a.local_size, a.cross_rank, a.cross_size, a.size)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's test command: sets up .venv if needed and runs the whole suite.
+# The README's test command: sets up .venv if needed (the project with its test, docs,
+# timeline and ray extras) and runs the whole suite.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup-venv.sh"
+bash "$root/scripts/setup-venv.sh" test
 cd "$root"
 exec "$root/.venv/bin/python" -m pytest "$@"

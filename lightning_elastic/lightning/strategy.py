@@ -45,7 +45,11 @@ STRATEGY_NAME = "elastic_hvd"
 
 
 class ElasticStrategy(WorkerBacked, DDPStrategy):
-    """DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo)."""
+    """DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo).
+
+    Registered as ``Trainer(strategy="elastic_hvd")``: elastic training with Elastic
+    Horovod's semantics, named as Lightning names its strategies; no Horovod is involved.
+    """
 
     strategy_name = STRATEGY_NAME
 

@@ -1,8 +1,8 @@
 """The package as users get it: a wheel built from the checkout, installed (not editable)
 into a fresh venv, run from a directory outside the checkout.
 
-The venv is built once for the module (torch's CPU wheel and Lightning come from the
-machine's package index, as ``scripts/setup-venv.sh`` gets them).
+The venv is built once for the module (torch's CPU build by ``scripts/install-torch-cpu.sh``,
+as ``scripts/setup-venv.sh`` gets it; Lightning from the machine's package index).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from tests.integration.harness import REPO, Job
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-TORCH = "torch==2.13.0"
 EXAMPLE = REPO / "examples" / "lightning_classifier.py"
 
 
@@ -53,7 +52,8 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("venv")
     run([sys.executable, "-m", "venv", root / "venv"], cwd=root, timeout=120)
     python = root / "venv" / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", TORCH, wheel], cwd=root, timeout=900)
+    run(["bash", REPO / "scripts" / "install-torch-cpu.sh", root / "venv"], cwd=root, timeout=900)
+    run([python, "-m", "pip", "install", "-q", wheel], cwd=root, timeout=900)
     return root / "venv"
 
 
