@@ -46,6 +46,7 @@ from lightning_elastic.launcher.processes.base import (
     describe_status,
     stop_all,
 )
+from lightning_elastic.launcher.processes.exit_watch import ExitWatcher
 from lightning_elastic.launcher.processes.local import LocalLauncher
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
@@ -126,6 +127,7 @@ class Driver:
         self._secret = secrets.token_hex(32)
         self._server: RendezvousServer | None = None
         self._processes: dict[str, WorkerProcess] = {}
+        self._exit_watcher: ExitWatcher | None = None  # wakes the loop at a child's exit (run())
         self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
         self._target: list[SlotAssignment] = []
@@ -172,6 +174,7 @@ class Driver:
         except LaunchError as err:
             return self._result(policy.Verdict(False, str(err)))
         refused = False
+        self._exit_watcher = ExitWatcher(self._wake_loop)
         try:
             if first and all(self._name_unresolved(h.host) for h in first):
                 raise ConfigError(unresolved_names_message(h.host for h in first))
@@ -199,6 +202,12 @@ class Driver:
             self._shutdown()
         return self._result(verdict, refused)
 
+    def _wake_loop(self) -> None:
+        """A worker process exited: reap it now, not at the next tick (a survivor's
+        recovery waits for the driver to see its peer gone)."""
+        with self._registry.cond:
+            self._registry.cond.notify_all()
+
     def _start_services(self) -> None:
         """One listening socket, on the job's address only: the signed rendezvous service,
         which also serves the process-group store (see launcher/store_service.py)."""
@@ -224,6 +233,8 @@ class Driver:
         if any(p_.poll() is None for p_ in procs):
             log.info("Stopping %d worker process(es).", sum(p_.poll() is None for p_ in procs))
         stop_all(procs, self._config.timeouts.stop_grace)
+        if self._exit_watcher is not None:
+            self._exit_watcher.close()
         if self._server is not None:
             self._server.close()
 
@@ -416,6 +427,9 @@ class Driver:
             record.state = WorkerState.FAILED
             raise
         pid = self._processes[worker_id].pid
+        child = getattr(self._processes[worker_id], "child_pid", None)  # test doubles may have none
+        if child is not None and self._exit_watcher is not None:
+            self._exit_watcher.watch(child)
         log.info("Started worker %s%s.", worker_id, f" (pid {pid})" if pid else "")
         self._events.emit("worker_started", worker=worker_id, host=slot.slot.host, pid=self._processes[worker_id].pid)
 

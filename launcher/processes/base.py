@@ -46,6 +46,13 @@ class WorkerProcess(Protocol):
         """A local process id to name it in logs (for ssh: the ssh client's)."""
         ...
 
+    @property
+    def child_pid(self) -> int | None:
+        """The pid of this driver's child process whose exit is the worker's (the worker
+        itself, or its ssh client), to be woken by its exit; None for a worker that is no
+        child of the driver (a Ray actor): its exit is seen by ``poll`` alone."""
+        ...
+
     def poll(self) -> int | None:
         """None while running; else the exit status (negative: killed by that signal)."""
         ...

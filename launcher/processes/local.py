@@ -44,6 +44,10 @@ class LocalProcess:
     def pid(self) -> int:
         return self._proc.pid
 
+    @property
+    def child_pid(self) -> int | None:
+        return self._proc.pid
+
     def poll(self) -> int | None:
         return self._proc.poll()
 

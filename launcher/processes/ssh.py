@@ -119,6 +119,10 @@ class SshProcess:
     def pid(self) -> int:
         return self._proc.pid
 
+    @property
+    def child_pid(self) -> int | None:
+        return self._proc.pid
+
     def send(self, line: str) -> None:
         """One line to the supervisor; a closed connection is not an error (poll tells)."""
         assert self._proc.stdin is not None

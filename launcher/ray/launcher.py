@@ -135,6 +135,10 @@ class RayProcess:
         """The worker's pid on its node, once it has started (0 before)."""
         return self._pid
 
+    @property
+    def child_pid(self) -> int | None:
+        return None  # an actor, in a process of Ray's, maybe on another node
+
     def poll(self) -> int | None:
         return self._status if self._ended.is_set() else None
 
