@@ -192,6 +192,7 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         out = (await driver.stdout.read()).decode().strip().splitlines()  # type: ignore[union-attr]
         job = json.loads(out[-1]) if out else {}
         result["job"] = {"success": job.get("success"), "reason": job.get("reason"), "rounds": job.get("rounds")}
+        result.update(gc_summary(job.get("gc_pauses", []), killed_at, killed_at + result["reform_s"]))
         return result
     finally:
         result["connection_errors"] = sim.stats.connection_errors
@@ -213,6 +214,24 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         server.close()
 
 
+def gc_summary(pauses: list[list[float]], start: float, end: float) -> dict[str, Any]:
+    """The driver's garbage collections over the job, and those within [start, end] (the
+    re-formation): count, longest and total pause, full (generation 2) collections."""
+    def summary(chosen: list[list[float]]) -> dict[str, Any]:
+        return {"count": len(chosen), "full": sum(1 for _, _, gen in chosen if gen == 2),
+                "longest_ms": 1000 * max((d for _, d, _ in chosen), default=0.0),
+                "total_ms": 1000 * sum(d for _, d, _ in chosen)}
+    during = [p_ for p_ in pauses if p_[0] + p_[1] >= start and p_[0] <= end]
+    return {"driver_gc": summary(pauses), "driver_gc_reform": summary(during)}
+
+
+def gc_cell(gc: dict[str, Any] | None, counts: bool = False) -> str:
+    if not gc:
+        return "—"
+    head = f"{gc['count']} ({gc['full']}), " if counts else ""
+    return f"{head}{gc['longest_ms']:.0f} ms, {gc['total_ms']:.0f} ms"
+
+
 def fmt(value: Any, spec: str = ".2f", none: str = "not reached") -> str:
     return none if value is None else format(value, spec)
 
@@ -220,8 +239,9 @@ def fmt(value: Any, spec: str = ".2f", none: str = "not reached") -> str:
 def table(results: list[dict[str, Any]]) -> str:
     rows = ["| workers | heartbeat interval | first round | re-formed after a loss | CPU while re-forming, driver / simulator "
             "| driver CPU, steady | heartbeat overhead p50 / p99 "
-            "| driver threads | driver RSS | connection errors (before the end) | listen overflows | false wedged |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| driver threads | driver RSS | connection errors (before the end) | listen overflows | false wedged "
+            "| GC while re-forming: pauses (full), longest, total | GC over the job: longest, total |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         rows.append(
             f"| {r['workers']} | {r.get('heartbeat_interval') or 'default'} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
@@ -229,7 +249,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {fmt(100 * r['steady_driver_cpu'], '.0f') + ' %' if 'steady_driver_cpu' in r else '—'} "
             f"| {fmt(r.get('heartbeat_overhead_ms_p50'), '.1f', '—')} / {fmt(r.get('heartbeat_overhead_ms_p99'), '.1f', '—')} ms "
             f"| {r.get('driver_threads', '—')} | {fmt(r.get('driver_rss_mb'), '.0f', '—')} MB "
-            f"| {r.get('connection_errors_before_end', r['connection_errors'])} | {r['listen_overflows']} | {r['false_wedged']} |"
+            f"| {r.get('connection_errors_before_end', r['connection_errors'])} | {r['listen_overflows']} | {r['false_wedged']} "
+            f"| {gc_cell(r.get('driver_gc_reform'), counts=True)} | {gc_cell(r.get('driver_gc'))} |"
         )
     return "\n".join(rows)
 

@@ -22,6 +22,7 @@ from typing import Any
 from lightning_elastic.launcher.http_connection import ConnectionLimits, HttpConnection, HttpRequest, HttpResponse
 from lightning_elastic.launcher.long_poll import LongPoll, LoopWaker
 from lightning_elastic.launcher.registry import Registry, UnknownWorker
+from lightning_elastic.launcher.replay_guard import ReplayGuard
 from lightning_elastic.launcher.store_service import KeyValueStore
 from lightning_elastic import protocol as p
 
@@ -99,8 +100,7 @@ class RendezvousServer:
         self._listen_queue = listen_queue  # see listen_queue_for
         self._wall_clock = wall_clock  # wall time: it is compared with other hosts' clocks
         self._clock = clock  # how long a nonce is remembered: immune to clock steps
-        self._seen_nonces: set[str] = set()
-        self._nonce_expiry: collections.deque[tuple[float, str]] = collections.deque()  # (forget at, nonce)
+        self._replays = ReplayGuard(forget_after=2 * TIMESTAMP_WINDOW)
         self._address: tuple[str, int] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waker: LoopWaker | None = None
@@ -250,24 +250,16 @@ class RendezvousServer:
         A request's timestamp must lie within TIMESTAMP_WINDOW of the driver's wall clock
         now, in either direction, so a step of that clock (an NTP correction, forward or
         back) locks nobody out once it is corrected. A nonce is remembered for twice the
-        window of *monotonic* time: a replay is refused by its nonce while its timestamp
-        could still pass, and by its timestamp afterwards, unless the wall clock itself
-        stepped back by more than the window in between. Only verified nonces are
-        remembered, so forged requests cannot fill the cache.
+        window of *monotonic* time (per sender: ``ReplayGuard``): a replay is refused by its
+        nonce while its timestamp could still pass, and by its timestamp afterwards, unless
+        the wall clock itself stepped back by more than the window in between. Only verified
+        nonces are remembered, so forged requests cannot fill the table.
         """
         now = self._wall_clock()
         # Only the service's loop thread admits requests: no lock.
         if not abs(auth.timestamp - now) <= TIMESTAMP_WINDOW:
             return f"timestamp outside {TIMESTAMP_WINDOW:g} s of the driver's clock (clock skew?)"
-        tick = self._clock()
-        # In order of arrival, hence of expiry: a deque, not a heap.
-        while self._nonce_expiry and self._nonce_expiry[0][0] <= tick:
-            self._seen_nonces.discard(self._nonce_expiry.popleft()[1])
-        if auth.nonce in self._seen_nonces:
-            return "replayed request (nonce already seen)"
-        self._seen_nonces.add(auth.nonce)
-        self._nonce_expiry.append((tick + 2 * TIMESTAMP_WINDOW, auth.nonce))
-        return None
+        return self._replays.check(auth.nonce, self._clock())
 
     def _report(self, report: p.Report) -> p.Ack:
         self._registry.report(report)

@@ -65,6 +65,7 @@ class DriverClient:
         self.worker_id = worker_id
         self._url = url.rstrip("/")
         self._secret = secret
+        self._nonces = p.NonceSequence()  # the driver remembers senders, not every nonce
         self._session = requests.Session()
         # Never through a proxy from the login environment (http_proxy is common on
         # clusters): the driver is reached directly, and long polls must not be relayed.
@@ -107,7 +108,7 @@ class DriverClient:
         attempt = 0
         while True:
             # Signed afresh for every attempt: the driver refuses a nonce it has seen.
-            auth = p.sign_request(self._secret, "POST", path, body)
+            auth = p.sign_request(self._secret, "POST", path, body, self._nonces)
             try:
                 response = self._session.post(
                     self._url + path, data=body,

@@ -20,8 +20,10 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+import itertools
 import json
 import math
+import os
 import re
 import secrets
 import time
@@ -55,7 +57,7 @@ ENV_CUDA_DEVICE = "LIGHTNING_ELASTIC_CUDA_DEVICE"
 PROTOCOL_VERSION = 3
 HEADER_PROTOCOL = "X-Elastic-Protocol"
 HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
-HEADER_NONCE = "X-Elastic-Nonce"  # secrets.token_hex(16), fresh for every request sent
+HEADER_NONCE = "X-Elastic-Nonce"  # 32 hex digits, never sent twice: see NonceSequence
 HEADER_SIGNATURE = "X-Elastic-Signature"  # hex HMAC-SHA256; on requests and on replies
 
 PATH_RENDEZVOUS = "/v1/rendezvous"
@@ -262,9 +264,35 @@ def request_signature(secret: str, method: str, path: str, timestamp: int, nonce
     return _hmac(secret, method, path, str(timestamp), nonce, hashlib.sha256(body).hexdigest())
 
 
-def sign_request(secret: str, method: str, path: str, body: bytes) -> dict[str, str]:
-    """The signing headers for one request: call again for every attempt (a fresh nonce)."""
-    timestamp, nonce = int(time.time()), secrets.token_hex(16)
+class NonceSequence:
+    """The nonces of one sender: 16 hex digits drawn once, then 16 of a sequence number.
+
+    The driver refuses a replay by remembering, per sender, the newest sequence number and
+    a bitmap of the ones below it (``launcher/replay_guard.py``): memory per sender, not
+    per request. A forked child (a data-loader worker that copied its parent's client)
+    draws a sender of its own, so parent and child never send the same nonce.
+    """
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._sender = ""
+        self._numbers = itertools.count()
+
+    def next(self) -> str:
+        if self._pid != os.getpid():
+            self._pid, self._sender, self._numbers = os.getpid(), secrets.token_hex(8), itertools.count()
+        return f"{self._sender}{next(self._numbers):016x}"  # count's next() is atomic under the GIL
+
+
+def sign_request(
+    secret: str, method: str, path: str, body: bytes, nonces: NonceSequence | None = None
+) -> dict[str, str]:
+    """The signing headers for one request: call again for every attempt (a fresh nonce).
+
+    A client sending more than one request passes its ``NonceSequence``; without one, the
+    request is its own sender (a one-off: tests, tools).
+    """
+    timestamp, nonce = int(time.time()), (nonces or NonceSequence()).next()
     return {
         HEADER_PROTOCOL: str(PROTOCOL_VERSION),
         HEADER_TIMESTAMP: str(timestamp),

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,6 +100,28 @@ class SimulatedProcess:
         return ""
 
 
+class GcPauses:
+    """Every garbage collection in this process: (monotonic start, seconds, generation).
+
+    CLOCK_MONOTONIC is the machine's, so the simulator can place each pause in its own
+    phases (during a re-formation, in steady state). Bounded: the newest MAX are kept.
+    """
+
+    MAX = 100_000
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float, int]] = []
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        now = time.monotonic()
+        if phase == "start":
+            self._started = now
+        elif len(self.pauses) < self.MAX:
+            self.pauses.append((self._started, now - self._started, info["generation"]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, required=True)
@@ -118,8 +142,9 @@ def main() -> int:
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     control.connect(args.control)
     driver = Driver(config, FixedHosts(config.hosts), SimulatedLauncher(control), is_local=lambda _host: True)
+    gc_pauses = GcPauses()
     result = driver.run()
-    print(json.dumps(dataclasses.asdict(result)), flush=True)
+    print(json.dumps({**dataclasses.asdict(result), "gc_pauses": gc_pauses.pauses}), flush=True)
     return 0 if result.success else 1
 
 

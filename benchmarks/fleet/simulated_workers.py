@@ -42,11 +42,12 @@ class Connection:
     def __init__(self, host: str, port: int, stats: Stats) -> None:
         self._host, self._port = host, port
         self._stats = stats
+        self._nonces = p.NonceSequence()  # one sender per connection, as a worker's client is
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str, body: bytes, secret: str, timeout: float) -> tuple[int, bytes]:
-        auth = p.sign_request(secret, "POST", path, body)
+        auth = p.sign_request(secret, "POST", path, body, self._nonces)
         head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
         request = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n{head}\r\n").encode() + body
