@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -134,8 +135,14 @@ class DiscoveryPoller:
     fails the launch at once, as the user guide promises.
     """
 
-    def __init__(self, discovery: HostDiscovery, interval: float, timeout: float = SCRIPT_TIMEOUT) -> None:
+    def __init__(
+        self, discovery: HostDiscovery, interval: float, timeout: float = SCRIPT_TIMEOUT,
+        prepare: Callable[[str], object] | None = None,
+    ) -> None:
         self._discovery = discovery
+        # Called with every host name found, in this thread, before the driver reads them:
+        # the driver's name lookups (DNS, a cache of each) then never run under its lock.
+        self._prepare = prepare
         self._interval = interval
         self._timeout = timeout  # of one discovery: bounds the wait for the thread in close()
         self._lock = threading.Lock()
@@ -175,6 +182,9 @@ class DiscoveryPoller:
                 self._publish(None, f"host discovery raised {type(err).__name__}: {err}")
 
     def _publish(self, hosts: list[HostSlots] | None, error: str | None) -> None:
+        if hosts and self._prepare is not None:
+            for host in hosts:
+                self._prepare(host.host)
         with self._lock:
             self._sequence += 1
             self._latest = DiscoveryResult(hosts, error, self._sequence)

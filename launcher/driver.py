@@ -121,7 +121,8 @@ class Driver:
         # the routes to the hosts; None: every name does (Ray's nodes are not DNS names).
         self._resolves = resolves
         self._address = "127.0.0.1"  # where workers reach the driver; chosen from the first hosts
-        self._discovery = DiscoveryPoller(discovery, config.discovery_interval, config.timeouts.discovery)
+        self._discovery = DiscoveryPoller(discovery, config.discovery_interval, config.timeouts.discovery,
+                                          prepare=self._look_up)
         self._hosts = HostManager(config.blacklist_cooldown, clock)
         self._registry = Registry(clock, config.repeated_error_limit)
         self._secret = secrets.token_hex(32)
@@ -350,6 +351,13 @@ class Driver:
         self._refuse(host, "its name does not resolve (check it, DNS or /etc/hosts; for an ssh config alias "
                            "pass --driver-address or --network-interface); the job goes on with the other hosts")
         return False
+
+    def _look_up(self, host: str) -> None:
+        """In the discovery thread: what the loop will ask of a host's name, asked first, so
+        a slow resolver never holds the loop (and the service waiting on its lock)."""
+        self._is_local(host)
+        if self._resolves is not None:
+            self._resolves(host)
 
     def _name_unresolved(self, host: str) -> bool:
         """Does the driver need ``host``'s name to resolve, and it does not?

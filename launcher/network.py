@@ -52,7 +52,9 @@ class HostClassifier:
     Local: ``localhost``, the host names, any loopback address (``127.0.0.2`` makes a distinct
     host on one machine), and any name that resolves to an address of a local interface.
     Results are cached: discovery repeats the same names every second and a resolver can
-    be slow.
+    be slow. The discovery thread asks first (``DiscoveryPoller``'s ``prepare``), so the
+    driver's loop finds each answer cached. Dict operations are atomic: two threads asking
+    at once at worst both resolve.
     """
 
     def __init__(self) -> None:
@@ -61,10 +63,16 @@ class HostClassifier:
         self._cache: dict[str, bool] = {}
         self._unresolved: set[str] = set()
 
+    MAX_NAMES = 65_536  # a job of weeks in an autoscaling group sees names come and go
+
     def is_local(self, host: str) -> bool:
-        if host not in self._cache:
-            self._cache[host] = self._classify(host)
-        return self._cache[host]
+        local = self._cache.get(host)
+        if local is None:
+            if len(self._cache) >= self.MAX_NAMES:  # start over: only costs lookups again
+                self._cache.clear()
+                self._unresolved.clear()
+            local = self._cache[host] = self._classify(host)
+        return local
 
     def resolves(self, host: str) -> bool:
         """Does ``host`` name an address here (this machine's names always do)? Cached with

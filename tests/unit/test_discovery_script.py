@@ -50,3 +50,32 @@ def test_a_large_listing_is_read_while_the_script_runs(tmp_path):
     body = "i=0\nwhile [ $i -lt 8000 ]; do echo host$i:8; i=$((i+1)); done\n"  # ~100 KB: more than a pipe holds
     hosts = ScriptDiscovery(script(tmp_path, body), 1).discover()
     assert len(hosts) == 8000
+
+
+def test_every_host_name_is_prepared_in_the_discovery_thread_before_the_driver_reads_it() -> None:
+    """The driver's name lookups (DNS) run in the poller's thread, never in its loop."""
+    import threading
+
+    from lightning_elastic.launcher.discovery import DiscoveryPoller, FixedHosts
+    from lightning_elastic.launcher.hosts import HostSlots
+
+    prepared: list[tuple[str, str]] = []
+    hosts = (HostSlots("node-a", 1), HostSlots("node-b", 2))
+    poller = DiscoveryPoller(FixedHosts(hosts), interval=0.01,
+                             prepare=lambda name: prepared.append((name, threading.current_thread().name)))
+    try:
+        poller.start()  # the first discovery: in the caller's thread, before any service runs
+        assert [name for name, _ in prepared] == ["node-a", "node-b"]
+        first = poller.latest()
+        deadline = threading.Event()
+        for _ in range(500):
+            latest = poller.latest()
+            if latest is not None and first is not None and latest.sequence > first.sequence:
+                break
+            deadline.wait(0.01)
+        else:
+            raise AssertionError("the poller published nothing in 5 s")
+        later = prepared[2:4]
+        assert later == [("node-a", "host-discovery"), ("node-b", "host-discovery")]  # prepared, then published
+    finally:
+        poller.close()
