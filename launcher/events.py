@@ -38,9 +38,10 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.line_file import BackgroundLineFile
 
 FILE_NAME = "events.jsonl"
 # What one job writes to its --log-dir (timeline.png is `lightning-elastic timeline`'s default).
@@ -96,11 +97,12 @@ class EventLog:
 
     def __init__(self, directory: Path | None, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._file: IO[str] | None = None
+        self._file: BackgroundLineFile | None = None
         self._path = directory / FILE_NAME if directory is not None else None
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
-            self._file = open(directory / FILE_NAME, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            # Written by a thread of its own: events are emitted with the registry's lock held.
+            self._file = BackgroundLineFile(directory / FILE_NAME, self._stopped_by)
         # What the registry showed at the last observe(): new facts become events.
         self._breaks_seen = 0
         self._first_steps_seen: set[int] = set()
@@ -110,21 +112,11 @@ class EventLog:
         if self._file is None:
             return
         record = {"time": round(fields.pop("time", None) or self._clock(), 6), "kind": kind, **fields}
-        try:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._file.flush()
-        except OSError as err:
-            # A full disk or a file-size limit costs the timeline, never the job.
-            log.warning("The job's timeline stops here: %s could not be written (%s).", self._path, err)
-            self._give_up()
+        self._file.append(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def _give_up(self) -> None:
-        file, self._file = self._file, None
-        try:
-            if file is not None:
-                file.close()
-        except OSError:
-            pass  # its buffer could not be flushed either
+    def _stopped_by(self, err: OSError) -> None:
+        # A full disk or a file-size limit costs the timeline, never the job.
+        log.warning("The job's timeline stops here: %s could not be written (%s).", self._path, err)
 
     def host_change_announced(self, round_number: int, generation: int) -> None:
         self.emit("reset_announced", round=round_number, generation=generation)
@@ -166,7 +158,13 @@ class EventLog:
         return cause
 
     def close(self) -> None:
-        self._give_up()
+        """Write what is queued (bounded: a stalled disk cannot hold the driver's exit)."""
+        if self._file is not None:
+            self._file.close()
+            if self._file.dropped:
+                log.warning("%d event(s) were not written to %s: the disk did not keep up.",
+                            self._file.dropped, self._path)
+            self._file = None
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
