@@ -97,6 +97,15 @@ class JobResult:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class _PendingStart:
+    """A worker planned under the registry's lock, started once it is released."""
+
+    record: WorkerRecord
+    spec: WorkerSpec
+    prefix: Callable[[], str]
+
+
 class _Stop(Exception):
     """The driver was asked to stop (SIGINT/SIGTERM)."""
 
@@ -143,6 +152,7 @@ class Driver:
         # A fixed host list never grows; with no cooldown a blacklisted host never returns.
         self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
         self._worker_numbers = itertools.count()
+        self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
         self._rounds: list[int] = []
         self._failures: list[str] = []
         self._blacklisted: list[str] = []
@@ -283,7 +293,8 @@ class Driver:
                     next_pass = now + decide_every
                     verdict = self._decide(now)
                     if verdict is not None:
-                        return verdict
+                        return verdict  # workers planned in that pass are never started
+                    self._start_pending()
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
@@ -412,7 +423,6 @@ class Driver:
         }
         log_file = None
         if self._config.log_dir is not None:
-            self._config.log_dir.mkdir(parents=True, exist_ok=True)
             log_file = self._config.log_dir / f"worker-{number}-{slot.slot.host}-{slot.slot.local_rank}.log"
 
         def prefix(record: WorkerRecord = record) -> str:
@@ -428,18 +438,47 @@ class Driver:
             cwd=os.getcwd(),
             log_file=log_file,
         )
+        self._pending_starts.append(_PendingStart(record, spec, prefix))
+
+    def _start_pending(self) -> None:
+        """Start the workers the last pass planned, with the registry's lock released.
+
+        A process start takes ~20 ms here (an ssh client's more, 4,096 of them minutes), and
+        every request of the rendezvous service takes that lock: heartbeats are answered
+        meanwhile. Nothing else changes hands: only this thread starts, reaps or signals
+        workers, and a worker cannot ask the service about itself before it exists.
+        """
+        pending, self._pending_starts = self._pending_starts, []
+        if not pending:
+            return
+        started: list[tuple[_PendingStart, WorkerProcess]] = []
+        failed: StartError | None = None
+        self._registry.cond.release()
         try:
-            self._processes[worker_id] = self._launcher.start(spec, prefix)
-        except StartError:
+            for item in pending:
+                if item.spec.log_file is not None:
+                    item.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+                started.append((item, self._launcher.start(item.spec, item.prefix)))
+        except StartError as err:
+            failed = err
+        finally:
+            self._registry.cond.acquire()
+            for item, proc in started:  # whatever else failed: every started process is known
+                self._started(item.record, proc)
+        if failed is not None:
             # The same command (or ssh) fails for every slot of this kind: the job cannot run.
-            record.state = WorkerState.FAILED
-            raise
-        pid = self._processes[worker_id].pid
-        child = getattr(self._processes[worker_id], "child_pid", None)  # test doubles may have none
+            for item in pending[len(started):]:
+                item.record.state = WorkerState.FAILED
+            raise failed
+
+    def _started(self, record: WorkerRecord, proc: WorkerProcess) -> None:
+        worker_id = record.worker_id
+        self._processes[worker_id] = proc
+        log.info("Started worker %s%s.", worker_id, f" (pid {proc.pid})" if proc.pid else "")
+        self._events.emit("worker_started", worker=worker_id, host=record.slot.host, pid=proc.pid)
+        child = getattr(proc, "child_pid", None)  # test doubles may have none
         if child is not None and self._exit_watcher is not None:
             self._exit_watcher.watch(child)
-        log.info("Started worker %s%s.", worker_id, f" (pid {pid})" if pid else "")
-        self._events.emit("worker_started", worker=worker_id, host=slot.slot.host, pid=self._processes[worker_id].pid)
 
     def _stop_worker(self, record: WorkerRecord, why: str) -> None:
         if record.worker_id in self._stopping or record.state.finished:
