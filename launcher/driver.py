@@ -35,6 +35,7 @@ from lightning_elastic.launcher.config import LaunchConfig
 from lightning_elastic.launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
 from lightning_elastic.launcher.errors import ConfigError, LaunchError, StartError
 from lightning_elastic.launcher.events import EventLog, prepare_log_dir
+from lightning_elastic.launcher.history import BoundedHistory
 from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey, count_slots
 from lightning_elastic.launcher.network import HostClassifier, choose_driver_address, unresolved_names_message
@@ -60,6 +61,14 @@ AUTOLOAD_DIR = Path(p.__file__).resolve().parent / "_autoload"
 log = logging.getLogger("lightning_elastic.driver")
 
 
+def _listed(items: tuple[str, ...], omitted: int) -> list[str]:
+    """Summary lines of a bounded history: its first entries, a count, its newest."""
+    lines = [f"    - {item}" for item in items]
+    if omitted:
+        lines.insert(BoundedHistory.FIRST, f"    ... {omitted} more (events.jsonl in --log-dir has every one)")
+    return lines
+
+
 @dataclasses.dataclass(frozen=True)
 class JobResult:
     success: bool
@@ -70,10 +79,21 @@ class JobResult:
     duration: float
     rejected_requests: int
     departures: tuple[str, ...] = ()  # workers that left gracefully on a preemption notice
+    # A long job keeps the first and the newest entries of each (launcher/history.py):
+    # how many in between are counted only (events.jsonl has them all).
+    rounds_omitted: int = 0
+    failures_omitted: int = 0
+    departures_omitted: int = 0
     # Ended by an invalid input found before any worker started (an address this machine
     # does not have, a port in use, no host name resolving): ``launch`` raises it as a
     # ConfigError, which the CLI prints as one line with exit status 2.
     refused: bool = False
+
+    def _sizes(self) -> str:
+        sizes = [str(n) for n in self.rounds]
+        if self.rounds_omitted:
+            sizes.insert(BoundedHistory.FIRST, f"({self.rounds_omitted} more)")
+        return " -> ".join(sizes) or "none"
 
     @property
     def exit_code(self) -> int:
@@ -84,13 +104,13 @@ class JobResult:
             "lightning-elastic job summary",
             f"  result:        {'SUCCESS' if self.success else 'FAILURE'}: {self.reason}",
             f"  duration:      {self.duration:.1f} s",
-            f"  rounds:        {len(self.rounds)} (world sizes: {' -> '.join(map(str, self.rounds)) or 'none'})",
-            f"  failures:      {len(self.failures)}",
+            f"  rounds:        {len(self.rounds) + self.rounds_omitted} (world sizes: {self._sizes()})",
+            f"  failures:      {len(self.failures) + self.failures_omitted}",
         ]
-        lines += [f"    - {f}" for f in self.failures]
+        lines += _listed(self.failures, self.failures_omitted)
         if self.departures:
-            lines.append(f"  preempted:     {len(self.departures)} (left without rollback)")
-            lines += [f"    - {d}" for d in self.departures]
+            lines.append(f"  preempted:     {len(self.departures) + self.departures_omitted} (left without rollback)")
+            lines += _listed(self.departures, self.departures_omitted)
         lines.append(f"  blacklisted:   {', '.join(self.blacklisted) or 'none'}")
         if self.rejected_requests:
             lines.append(f"  rejected rendezvous requests: {self.rejected_requests}")
@@ -153,11 +173,11 @@ class Driver:
         self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
         self._worker_numbers = itertools.count()
         self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
-        self._rounds: list[int] = []
-        self._failures: list[str] = []
+        self._rounds: BoundedHistory[int] = BoundedHistory()  # each round's world size
+        self._failures: BoundedHistory[str] = BoundedHistory()
         self._blacklisted: list[str] = []
         self._failure_of: dict[str, str] = {}
-        self._departures: list[str] = []
+        self._departures: BoundedHistory[str] = BoundedHistory()
         self._held_until: dict[SlotKey, float] = {}  # slot left on a preemption notice -> end of its hold
         self._first_exit: tuple[float, str] | None = None  # when and who, once training has returned
         self._refused_hosts: set[str] = set()
@@ -256,11 +276,14 @@ class Driver:
             success=verdict.success,
             reason=verdict.reason,
             rounds=tuple(self._rounds),
+            rounds_omitted=self._rounds.omitted,
             failures=tuple(self._failures),
+            failures_omitted=self._failures.omitted,
             blacklisted=tuple(self._blacklisted),
             duration=self._clock() - self._started_at,
             rejected_requests=self._server.rejected if self._server else 0,
             departures=tuple(self._departures),
+            departures_omitted=self._departures.omitted,
             refused=refused,
         )
 
@@ -703,7 +726,7 @@ class Driver:
             available_slots=available,
             below_required_for=None if self._below_since is None else now - self._below_since,
             discovery_error=self._discovery_error,
-            last_failure=self._failures[-1] if self._failures else "",
+            last_failure=self._failures.last or "",
             repeated_error=reg.repeated_error,
             slots_can_grow=(available >= required or not self._fixed_hosts or bool(self._held_until)
                             or self._members_training()),
@@ -811,7 +834,7 @@ class Driver:
         if chosen is None:
             return None
         if reg.round is not None:
-            verdict = policy.check_reset_limit(len(self._rounds) - 1, self._config.reset_limit)
+            verdict = policy.check_reset_limit(self._rounds.total - 1, self._config.reset_limit)
             if verdict is not None:
                 return verdict
         assert self._server is not None
