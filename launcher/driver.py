@@ -16,6 +16,7 @@ discovery poller and the rendezvous service only report to it. Each tick it:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -157,6 +158,8 @@ class Driver:
         self._secret = secrets.token_hex(32)
         self._server: RendezvousServer | None = None
         self._processes: dict[str, WorkerProcess] = {}
+        # The newest workers forgotten after a round formed, still flushed at the end.
+        self._retired: collections.deque[WorkerProcess] = collections.deque(maxlen=256)
         self._exit_watcher: ExitWatcher | None = None  # wakes the loop at a child's exit (run())
         self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
@@ -260,7 +263,7 @@ class Driver:
             self._registry.closing = True  # a SIGTERM from stop_all below means "exit now"
             self._registry.wake_all()
         self._discovery.close()
-        procs = list(self._processes.values())
+        procs = [*self._processes.values(), *self._retired]
         if any(p_.poll() is None for p_ in procs):
             log.info("Stopping %d worker process(es).", sum(p_.poll() is None for p_ in procs))
         stop_all(procs, self._config.timeouts.stop_grace)
@@ -840,6 +843,12 @@ class Driver:
         assert self._server is not None
         members = [(reg.workers[worker_id], a) for worker_id, a in chosen]
         info = reg.form_round(members, (self._address, self._server.port))
+        for worker_id in reg.forget_finished({r.worker_id for r, _ in members}):
+            # Its process was reaped; its output may still be draining: wait for that at the end.
+            proc = self._processes.pop(worker_id, None)
+            if proc is not None:
+                self._retired.append(proc)
+            self._kill_reasons.pop(worker_id, None)
         self._invalidate_view()
         self._rounds.append(len(members))
         self._announced_for = None

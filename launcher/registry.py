@@ -191,6 +191,17 @@ class Registry:
         for worker_id in self._asking:
             self.workers[worker_id].wake.fire()
 
+    def forget_finished(self, keep: set[str]) -> list[str]:
+        """Drop the records of finished workers outside ``keep`` (the round just formed);
+        their ids, for the caller's own tables. A job replacing workers for weeks would
+        otherwise hold, and scan on every tick, every worker it ever started. A request
+        still in flight from one (it exited) is then refused as from an unknown worker."""
+        gone = [w for w, record in self.workers.items() if record.state.finished and w not in keep]
+        for worker_id in gone:
+            del self.workers[worker_id]
+            self._asking.discard(worker_id)
+        return gone
+
     def live_workers(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if not w.state.finished]
 

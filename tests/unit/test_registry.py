@@ -102,6 +102,20 @@ def test_finished_workers_are_not_live(reg, state):
     assert [r.worker_id for r in reg.live_workers()] == ["w1"]
 
 
+def test_finished_workers_outside_the_new_round_are_forgotten(reg):
+    a, b, c, d = (add(reg, f"w{i}", f"h{i}") for i in range(4))
+    form(reg, a, b, c)
+    finish(reg, b, WorkerState.FAILED)  # lost, and a member of the round just formed
+    finish(reg, d, WorkerState.FAILED)  # failed before it ever joined
+    with reg.cond:
+        assert reg.forget_finished({"w1"}) == ["w3"]  # a member of the new round stays
+        assert sorted(reg.workers) == ["w0", "w1", "w2"]
+        assert reg.forget_finished({"w0", "w2"}) == ["w1"]
+    assert [r.worker_id for r in reg.live_workers()] == ["w0", "w2"]
+    with pytest.raises(UnknownWorker):  # a late request from a forgotten worker: refused
+        reg.heartbeat(HeartbeatRequest("w3", 0, 0, 0.0))
+
+
 def test_form_round_assigns_every_member(reg):
     a, b = add(reg, "w0", "h1"), add(reg, "w1", "h2")
     with reg.cond:
