@@ -188,8 +188,9 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
 
         ends = await asyncio.gather(*(finish(w) for w in sim.live()), return_exceptions=True)
         result["end_errors"] = sorted({f"{type(e).__name__}: {e}" for e in ends if isinstance(e, BaseException)})[:3]
-        await asyncio.wait_for(driver.wait(), bound)
-        out = (await driver.stdout.read()).decode().strip().splitlines()  # type: ignore[union-attr]
+        # Read while waiting: the result line (with the GC pauses) can exceed a pipe's buffer.
+        stdout, _ = await asyncio.wait_for(driver.communicate(), bound)
+        out = stdout.decode().strip().splitlines()
         job = json.loads(out[-1]) if out else {}
         result["job"] = {"success": job.get("success"), "reason": job.get("reason"), "rounds": job.get("rounds")}
         result.update(gc_summary(job.get("gc_pauses", []), killed_at, killed_at + result["reform_s"]))
