@@ -36,6 +36,7 @@ from lightning_elastic.launcher.config import LaunchConfig
 from lightning_elastic.launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
 from lightning_elastic.launcher.errors import ConfigError, LaunchError, StartError
 from lightning_elastic.launcher.events import EventLog, prepare_log_dir
+from lightning_elastic.launcher.gc_policy import ServiceGc
 from lightning_elastic.launcher.history import BoundedHistory
 from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey, count_slots
@@ -160,6 +161,7 @@ class Driver:
         self._processes: dict[str, WorkerProcess] = {}
         # The newest workers forgotten after a round formed, still flushed at the end.
         self._retired: collections.deque[WorkerProcess] = collections.deque(maxlen=256)
+        self._gc = ServiceGc(clock)  # no full collection while a round forms (gc_policy.py)
         self._exit_watcher: ExitWatcher | None = None  # wakes the loop at a child's exit (run())
         self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
@@ -217,6 +219,7 @@ class Driver:
                 [h.host for h in usable], self._is_local, self._config.driver_address, self._config.network_interface
             )
             self._start_services()
+            self._gc.start()
             with self._registry.cond:
                 self._hosts.update(usable)
                 self._events.emit("hosts_changed", added=[h.host for h in usable], removed=[])
@@ -269,6 +272,7 @@ class Driver:
         stop_all(procs, self._config.timeouts.stop_grace)
         if self._exit_watcher is not None:
             self._exit_watcher.close()
+        self._gc.stop()
         if self._server is not None:
             self._server.close()
 
@@ -324,6 +328,7 @@ class Driver:
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
+                    self._gc.tick()
                     self._enforce_exit_timeout(now)
                 reg.cond.wait(self._config.timeouts.tick)
 
@@ -843,6 +848,7 @@ class Driver:
         assert self._server is not None
         members = [(reg.workers[worker_id], a) for worker_id, a in chosen]
         info = reg.form_round(members, (self._address, self._server.port))
+        self._gc.round_formed()
         for worker_id in reg.forget_finished({r.worker_id for r, _ in members}):
             # Its process was reaped; its output may still be draining: wait for that at the end.
             proc = self._processes.pop(worker_id, None)
