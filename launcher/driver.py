@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -721,7 +721,7 @@ class Driver:
                 self._waiting_said_at = now
                 left = self._config.elastic_timeout - (now - self._below_since)
                 log.warning("Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them.",
-                            required, available, ", ".join(f"{h.host}:{h.slots}" for h in hosts) or "no host", left)
+                            required, available, listing(f"{h.host}:{h.slots}" for h in hosts) or "no host", left)
         else:
             self._below_since = None
             self._waiting_said_at = 0.0
@@ -821,7 +821,7 @@ class Driver:
         reg = self._registry
         self._target = list(new.target)
         self._standby = new.standby
-        log.info("Target world: %d slot(s): %s%s.", len(new.target), ", ".join(str(a.slot) for a in new.target),
+        log.info("Target world: %d slot(s): %s%s.", len(new.target), listing(str(a.slot) for a in new.target),
                  f"; standby: {', '.join(map(str, new.standby))}" if new.standby else "")
         for worker_id in new.leave:
             reg.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
@@ -862,12 +862,21 @@ class Driver:
         later = len(view.target) - len(members)
         log.info(
             "Round %d formed with %d worker(s): %s%s.",
-            info.number, len(members), ", ".join(f"rank {a.rank}={r.worker_id}" for r, a in members),
+            info.number, len(members), listing(f"rank {a.rank}={r.worker_id}" for r, a in members),
             f"; {later} more still starting will join the next round" if later else "",
         )
         self._events.round_formed(
             info.number, [{"rank": a.rank, "worker": r.worker_id, "host": r.slot.host} for r, a in members])
         return None
+
+
+def listing(items: Iterable[str], limit: int = 16) -> str:
+    """At most ``limit`` items, then how many more: a line of the driver's log stays a
+    line at 4,096 workers (the whole list made ~100 KB lines)."""
+    rest = iter(items)
+    shown = list(itertools.islice(rest, limit))
+    more = sum(1 for _ in rest)
+    return ", ".join(shown) + (f", ... ({more} more)" if more else "")
 
 
 def raise_descriptor_limit() -> None:

@@ -36,3 +36,10 @@ def test_the_summary_of_a_long_job_says_how_many_it_leaves_out() -> None:
     gap = lines.index("    ... 9900 more (events.jsonl in --log-dir has every one)")
     assert lines[gap - 1].endswith("#19 was killed by SIGKILL") and lines[gap + 1].endswith("#9920 was killed by SIGKILL")
     assert len(text) < 10_000
+
+
+def test_a_log_listing_names_sixteen_and_counts_the_rest() -> None:
+    from lightning_elastic.launcher.driver import listing
+
+    assert listing(f"rank {n}" for n in range(4096)) == ", ".join(f"rank {n}" for n in range(16)) + ", ... (4080 more)"
+    assert listing(["a", "b"]) == "a, b" and listing([]) == ""
