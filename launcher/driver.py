@@ -855,6 +855,7 @@ class Driver:
             if proc is not None:
                 self._retired.append(proc)
             self._kill_reasons.pop(worker_id, None)
+            self._failure_of.pop(worker_id, None)
         self._invalidate_view()
         self._rounds.append(len(members))
         self._announced_for = None
