@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -52,7 +53,13 @@ class Connection:
         request = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n{head}\r\n").encode() + body
         try:
-            return await asyncio.wait_for(self._exchange(request, secret, auth[p.HEADER_NONCE]), timeout)
+            exchange = self._exchange(request, secret, auth[p.HEADER_NONCE])
+            if sys.version_info < (3, 11):
+                return await asyncio.wait_for(exchange, timeout)
+            # In this task, not in a task of its own as wait_for's: one process plays every
+            # worker, and a task (and a loop turn) per request is a good part of its cost.
+            async with asyncio.timeout(timeout):
+                return await exchange
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as err:
             self.close()
             self._stats.connection_errors += 1
