@@ -75,13 +75,18 @@ class Connection:
         assert reader is not None
         writer.write(request)
         await writer.drain()
-        status_line = await reader.readline()
-        if not status_line:
-            raise ConnectionResetError("connection closed by the driver")
+        # The reply's head in one read (a line at a time was a coroutine call per header).
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as err:
+            if not err.partial:
+                raise ConnectionResetError("connection closed by the driver") from None
+            raise
+        status_line, *lines = head[:-4].decode("latin-1").split("\r\n")
         status = int(status_line.split()[1])
         headers: dict[str, str] = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
+        for line in lines:
+            name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
         if headers.get("connection", "").lower() == "close":
