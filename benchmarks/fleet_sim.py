@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -45,6 +46,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.fleet.gc_pauses import GcPauses  # noqa: E402
 from benchmarks.fleet.simulated_workers import Simulator  # noqa: E402
 
 DRIVER = ROOT / "benchmarks" / "fleet" / "driver_process.py"
@@ -105,8 +107,10 @@ async def store_phase(sim: Simulator, proc: psutil.Process, pattern: str, n: int
 
 
 async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: float | None,
-                  store_patterns: tuple[str, ...] = (), gloo_max: int = 0) -> dict[str, Any]:
+                  store_patterns: tuple[str, ...] = (), gloo_max: int = 0,
+                  simulator_gc: str = "frozen") -> dict[str, Any]:
     sim = Simulator()
+    own_gc = GcPauses()
     control = workdir / f"control-{n}.sock"
     server = await sim.serve(str(control))
     log_path = workdir / f"driver-{n}.log"
@@ -129,6 +133,8 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
             result["first_round_s"] = None
             result["first_round_assigned"] = len(sim.assigned.get(1, {}))
             return result
+        if simulator_gc == "frozen":
+            freeze_simulator_heap()
         # Process-group bootstrap through the driver's store, every worker at once.
         for pattern in store_patterns:
             if pattern == "gloo" and n > gloo_max:
@@ -194,8 +200,12 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         job = json.loads(out[-1]) if out else {}
         result["job"] = {"success": job.get("success"), "reason": job.get("reason"), "rounds": job.get("rounds")}
         result.update(gc_summary(job.get("gc_pauses", []), killed_at, killed_at + result["reform_s"]))
+        result.update(gc_summary(own_gc.pauses, killed_at, killed_at + result["reform_s"], who="simulator"))
         return result
     finally:
+        own_gc.close()
+        gc.unfreeze()
+        gc.set_threshold(*GC_DEFAULTS)
         result["connection_errors"] = sim.stats.connection_errors
         result["disowned"] = sim.stats.disowned
         result["error_kinds"] = dict(sim.stats.error_kinds)
@@ -215,15 +225,33 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         server.close()
 
 
-def gc_summary(pauses: list[list[float]], start: float, end: float) -> dict[str, Any]:
-    """The driver's garbage collections over the job, and those within [start, end] (the
+GC_DEFAULTS = gc.get_threshold()
+
+
+def freeze_simulator_heap() -> None:
+    """The simulator's own collections, as 4,096 worker processes would have them.
+
+    Each real worker is a process of its own with a small heap; this one process holds all
+    4,096 workers' state (12,288 connections with their streams, tasks and buffers), and
+    CPython's default collections walk all of it: full collections of 0.1-0.3 s that stop
+    every simulated worker at once, which no real fleet does. Like the driver
+    (``launcher/gc_policy.py``): young collections every 20,000 allocations, and the
+    fleet's long-lived objects frozen once the first round has formed.
+    """
+    gc.set_threshold(20_000, GC_DEFAULTS[1], GC_DEFAULTS[2])
+    gc.freeze()
+
+
+def gc_summary(pauses: list[list[float]] | list[tuple[float, float, int]], start: float, end: float,
+               who: str = "driver") -> dict[str, Any]:
+    """A process's garbage collections over the job, and those within [start, end] (the
     re-formation): count, longest and total pause, full (generation 2) collections."""
     def summary(chosen: list[list[float]]) -> dict[str, Any]:
         return {"count": len(chosen), "full": sum(1 for _, _, gen in chosen if gen == 2),
                 "longest_ms": 1000 * max((d for _, d, _ in chosen), default=0.0),
                 "total_ms": 1000 * sum(d for _, d, _ in chosen)}
     during = [p_ for p_ in pauses if p_[0] + p_[1] >= start and p_[0] <= end]
-    return {"driver_gc": summary(pauses), "driver_gc_reform": summary(during)}
+    return {f"{who}_gc": summary(pauses), f"{who}_gc_reform": summary(during)}
 
 
 def gc_cell(gc: dict[str, Any] | None, counts: bool = False) -> str:
@@ -241,8 +269,9 @@ def table(results: list[dict[str, Any]]) -> str:
     rows = ["| workers | heartbeat interval | first round | re-formed after a loss | CPU while re-forming, driver / simulator "
             "| driver CPU, steady | heartbeat overhead p50 / p99 "
             "| driver threads | driver RSS | connection errors (before the end) | listen overflows | false wedged "
-            "| GC while re-forming: pauses (full), longest, total | GC over the job: longest, total |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| GC while re-forming: pauses (full), longest, total | GC over the job: longest, total "
+            "| simulator GC while re-forming |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         rows.append(
             f"| {r['workers']} | {r.get('heartbeat_interval') or 'default'} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
@@ -251,7 +280,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {fmt(r.get('heartbeat_overhead_ms_p50'), '.1f', '—')} / {fmt(r.get('heartbeat_overhead_ms_p99'), '.1f', '—')} ms "
             f"| {r.get('driver_threads', '—')} | {fmt(r.get('driver_rss_mb'), '.0f', '—')} MB "
             f"| {r.get('connection_errors_before_end', r['connection_errors'])} | {r['listen_overflows']} | {r['false_wedged']} "
-            f"| {gc_cell(r.get('driver_gc_reform'), counts=True)} | {gc_cell(r.get('driver_gc'))} |"
+            f"| {gc_cell(r.get('driver_gc_reform'), counts=True)} | {gc_cell(r.get('driver_gc'))} "
+            f"| {gc_cell(r.get('simulator_gc_reform'), counts=True)} |"
         )
     return "\n".join(rows)
 
@@ -266,7 +296,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             for interval in args.heartbeat_intervals:
                 print(f"N = {n}, heartbeat interval {interval or 'default'} ...", file=sys.stderr, flush=True)
                 results.append(await run_one(n, args.steady, args.bound, workdir, interval,
-                                             args.store_patterns, args.gloo_max))
+                                             args.store_patterns, args.gloo_max, args.simulator_gc))
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
     return results
 
@@ -303,6 +333,11 @@ def main() -> None:
                              "(nccl, nccl-scalable, gloo; '' for none)")
     parser.add_argument("--gloo-max", type=int, default=256,
                         help="run the gloo bootstrap only up to this many workers (it is quadratic)")
+    parser.add_argument("--simulator-gc", choices=("frozen", "default"), default="frozen",
+                        help="the simulator's own garbage collection: 'frozen' (its heap frozen after the "
+                             "first round, young collections every 20,000 allocations: as 4,096 small "
+                             "worker processes) or CPython's defaults (full collections over every "
+                             "simulated worker at once)")
     parser.add_argument("--somaxconn", type=int,
                         help="raise the kernel's listen-queue cap (net.core.somaxconn, root) for the run")
     args = parser.parse_args()

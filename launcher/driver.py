@@ -328,8 +328,8 @@ class Driver:
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
-                    self._gc.tick()
                     self._enforce_exit_timeout(now)
+                self._gc.tick()  # every turn: a re-formation's hold on collections is bounded
                 reg.cond.wait(self._config.timeouts.tick)
 
     def _timers_pending(self, now: float) -> bool:
@@ -353,6 +353,8 @@ class Driver:
         self._events.observe(reg.breaks, reg.first_steps, reg.round.number if reg.round else 0)
         if verdict is None:
             reg.await_arrivals(*membership.awaited_arrivals(self._membership_view()))
+        if self._reset_pending_since is not None:
+            self._gc.reforming()  # no collection while the members come back (gc_policy.py)
         return verdict
 
     def _take_discovery(self) -> bool:

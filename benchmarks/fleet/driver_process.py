@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import logging
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.fleet.gc_pauses import GcPauses  # noqa: E402
 from lightning_elastic import protocol as p  # noqa: E402
 from lightning_elastic.launcher.config import LaunchConfig, Timeouts  # noqa: E402
 from lightning_elastic.launcher.discovery import FixedHosts  # noqa: E402
@@ -98,28 +97,6 @@ class SimulatedProcess:
 
     def exit_detail(self) -> str:
         return ""
-
-
-class GcPauses:
-    """Every garbage collection in this process: (monotonic start, seconds, generation).
-
-    CLOCK_MONOTONIC is the machine's, so the simulator can place each pause in its own
-    phases (during a re-formation, in steady state). Bounded: the newest MAX are kept.
-    """
-
-    MAX = 100_000
-
-    def __init__(self) -> None:
-        self.pauses: list[tuple[float, float, int]] = []
-        self._started = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        now = time.monotonic()
-        if phase == "start":
-            self._started = now
-        elif len(self.pauses) < self.MAX:
-            self.pauses.append((self._started, now - self._started, info["generation"]))
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -52,7 +53,13 @@ class Connection:
         request = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n{head}\r\n").encode() + body
         try:
-            return await asyncio.wait_for(self._exchange(request, secret, auth[p.HEADER_NONCE]), timeout)
+            exchange = self._exchange(request, secret, auth[p.HEADER_NONCE])
+            if sys.version_info < (3, 11):
+                return await asyncio.wait_for(exchange, timeout)
+            # In this task, not in a task of its own as wait_for's: one process plays every
+            # worker, and a task (and a loop turn) per request is a good part of its cost.
+            async with asyncio.timeout(timeout):
+                return await exchange
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as err:
             self.close()
             self._stats.connection_errors += 1
@@ -68,13 +75,18 @@ class Connection:
         assert reader is not None
         writer.write(request)
         await writer.drain()
-        status_line = await reader.readline()
-        if not status_line:
-            raise ConnectionResetError("connection closed by the driver")
+        # The reply's head in one read (a line at a time was a coroutine call per header).
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as err:
+            if not err.partial:
+                raise ConnectionResetError("connection closed by the driver") from None
+            raise
+        status_line, *lines = head[:-4].decode("latin-1").split("\r\n")
         status = int(status_line.split()[1])
         headers: dict[str, str] = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
+        for line in lines:
+            name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
         if headers.get("connection", "").lower() == "close":
