@@ -124,6 +124,29 @@ def test_double_dash_before_the_command_is_dropped():
     assert parse("-np", "1", "--", "python", "-u", "t.py").command == ("python", "-u", "t.py")
 
 
+COMMAND_OPTIONS = (
+    # Prefixes of several launch options (--num-proc/--network-interface, --elastic-timeout/
+    # --env/--exit-timeout, --driver-address/--discovery-*), of one, launch's own options
+    # spelled out, and the top-level parser's.
+    "--n", "96", "--e", "3", "--d", "x", "--ver", "-n", "--min-np", "1", "-np", "4", "-H", "h:1", "--hosts=a",
+    "-x", "--verbose", "-h", "--help", "--version", "--",
+)
+
+
+def test_nothing_after_the_command_is_taken_by_the_launcher():
+    c = parse("-np", "1", "-H", "127.0.0.1:1", "python", "train.py", *COMMAND_OPTIONS)
+    assert c.command == ("python", "train.py", *COMMAND_OPTIONS)
+    assert (c.np, c.min_np, c.verbose, [h.host for h in c.hosts]) == (1, 1, False, ["127.0.0.1"])
+    # The environment's options are the launcher's whatever the command's arguments are.
+    c = parse("python", "train.py", "--n", "2", environ={"LIGHTNING_ELASTIC_NUM_PROC": "3"})
+    assert (c.np, c.command) == (3, ("python", "train.py", "--n", "2"))
+
+
+def test_a_launch_option_is_not_abbreviated():
+    with pytest.raises(SystemExit):
+        parse("--verb", "python", "t.py")
+
+
 def test_slots_per_host_fills_in_missing_host_slot_counts():
     c = parse("-H", "a,b:3", "--slots-per-host", "2", "python", "t.py")
     assert c.hosts == (HostSlots("a", 2), HostSlots("b", 3))
