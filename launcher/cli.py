@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--stop-grace", type=float, default=Timeouts.stop_grace, metavar="SECONDS",
                         help="when the driver stops a worker (the job's end, Ctrl-C, its host blacklisted): "
                              f"SIGTERM, then SIGKILL after this long (default: {Timeouts.stop_grace:g})")
+    bounds.add_argument("--error-wait", type=float, default=Timeouts.lost_member_wait, metavar="SECONDS",
+                        help="a worker that raised waits this long to learn whether its round lost a member "
+                             "before the error counts as its own; its peers wait as long in their next collective. "
+                             "Keep it above a training step's duration, or an error every rank raises may be taken "
+                             f"for one rank's (default: {Timeouts.lost_member_wait:g})")
     bounds.add_argument("--discovery-timeout", type=float, default=SCRIPT_TIMEOUT, metavar="SECONDS",
                         help="a run of the discovery script still going after this long has failed and is "
                              f"killed (default: {SCRIPT_TIMEOUT:g})")
@@ -181,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             exit=args.exit_timeout,
             preemption_grace=args.preemption_grace,
             stop_grace=args.stop_grace,
+            lost_member_wait=args.error_wait,
             discovery=args.discovery_timeout,
         ),
         repeated_error_limit=args.repeated_error_limit,

@@ -445,6 +445,16 @@ def test_new_bounds_and_port_reach_the_config():
 def test_new_bounds_default_to_the_old_constants():
     c = parse("python")
     assert (c.timeouts.stop_grace, c.timeouts.discovery, c.port) == (5.0, 30.0, None)
+    assert c.timeouts.lost_member_wait == 5.0
+
+
+def test_error_wait_is_an_option_and_bounded(capsys, no_launch):
+    assert parse("--error-wait", "0.5", "python").timeouts.lost_member_wait == 0.5
+    assert parse("python", environ={"LIGHTNING_ELASTIC_ERROR_WAIT": "2"}).timeouts.lost_member_wait == 2.0
+    for value, expected in (("0", "expected a positive, finite number of seconds, got 0.0"),
+                            ("61", "expected at most 60 seconds, got 61.0")):
+        code, lines = run_main(capsys, "--error-wait", value, "python")
+        assert (code, lines[-1]) == (2, f"lightning-elastic: error: --error-wait: {expected}")
 
 
 def test_hostfile_in_mpirun_and_horovod_forms_is_a_fixed_host_list(tmp_path):
