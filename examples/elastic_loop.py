@@ -57,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     faults.add_argument("--exit-code", type=int, default=0,
                         help="exit with this status after training returned (with --exit-on-host)")
     faults.add_argument("--exit-on-host", default="all", help="host that exits so; 'all': every worker")
+    faults.add_argument("--end-in-round", type=int, nargs=2, metavar=("ROUND", "STEPS"),
+                        help="from round ROUND on, training returns after STEPS steps of the round (a short "
+                             "last round)")
     faults.add_argument("--hang-after-done-on-host", default="",
                         help="after training returned, this host's workers never exit")
     return parser.parse_args()
@@ -127,8 +130,11 @@ def main() -> None:
 
     @le.run
     def train(state: le.TorchState) -> None:
-        events.emit("synced", epoch=state.epoch, step=state.step, checksum=checksum(model),
-                    round=le.current_worker().assignment.round)
+        round_number = le.current_worker().assignment.round
+        events.emit("synced", epoch=state.epoch, step=state.step, checksum=checksum(model), round=round_number)
+        # The same on every rank: the round, and the steps taken in it since the sync.
+        ends_after = args.end_in_round[1] if args.end_in_round and round_number >= args.end_in_round[0] else None
+        steps_in_round = 0
         while state.epoch < args.epochs:
             sampler.set_epoch(state.epoch)
             for batch_idx, (index, x, y) in enumerate(loader):
@@ -154,6 +160,10 @@ def main() -> None:
                 events.emit("step", epoch=state.epoch, step=state.step, loss=loss.item(), real=len(real))
                 if state.step % args.commit_every == 0:
                     state.commit()
+                steps_in_round += 1
+                if ends_after is not None and steps_in_round >= ends_after:
+                    events.emit("done", step=state.step, checksum=checksum(model))
+                    return
             committed = sorted(state.seen[: sampler.dataset_size])
             events.emit("epoch_end", epoch=state.epoch, samples=len(state.seen), unique=len(set(state.seen)),
                         complete=committed == list(range(sampler.dataset_size)))

@@ -20,6 +20,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_elastic as le
@@ -33,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--commit-every", type=int, default=2, help="commit every N steps")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of extra work per step")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--eval", action="store_true", help="after every epoch, evaluate on the whole dataset")
+    parser.add_argument("--csv-dir", type=Path, help="log the loss with Fabric's CSVLogger under this directory")
     parser.add_argument("--events", type=Path, help="directory for per-worker JSON-lines event logs")
     return parser.parse_args()
 
@@ -61,7 +64,9 @@ def checksum(model: torch.nn.Module) -> float:
 
 def main() -> None:
     args = parse_args()
-    fabric = L.Fabric(strategy="elastic_hvd", accelerator="cpu", devices=1)
+    # One logger version (run) for the whole job, whichever rank is rank 0 (FabricState.setup).
+    loggers = [CSVLogger(args.csv_dir, flush_logs_every_n_steps=1)] if args.csv_dir else []
+    fabric = L.Fabric(strategy="elastic_hvd", accelerator="cpu", devices=1, loggers=loggers)
     fabric.launch()  # joins the elastic job (the launcher started this process)
     fabric.seed_everything(0)
     events = Events(args.events, fabric)
@@ -71,6 +76,8 @@ def main() -> None:
     targets = inputs @ torch.randn(16, 1, generator=generator)
     dataset = TensorDataset(torch.arange(args.samples), inputs, targets)
     loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=args.batch_size, shuffle=True))
+    # Every rank evaluates on the whole dataset, as with Fabric's ddp: no sampler is installed.
+    eval_loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=64), use_distributed_sampler=False)
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * fabric.world_size)
@@ -105,11 +112,17 @@ def main() -> None:
                 state.record_batch(batch_idx)
                 state.step += 1
                 events.emit("step", epoch=state.epoch, step=state.step, loss=loss.item(), real=len(real))
+                fabric.log("loss", loss.item(), step=state.step)  # rank 0's, as with any Fabric logger
                 if state.step % args.commit_every == 0:
                     state.commit()
             committed = sorted(state.seen[: state.sampler.dataset_size])
             events.emit("epoch_end", epoch=state.epoch, samples=len(state.seen), unique=len(set(state.seen)),
                         complete=committed == list(range(state.sampler.dataset_size)))
+            if args.eval:
+                with torch.no_grad():
+                    evaluated = [int(i) for index, _, _ in eval_loader for i in index]
+                events.emit("eval", epoch=state.epoch, round=le.current_worker().assignment.round,
+                            samples=len(evaluated), whole=sorted(evaluated) == list(range(args.samples)))
             state.epoch += 1
             state.seen = []
             state.commit()

@@ -39,12 +39,19 @@ log = logging.getLogger("lightning_elastic.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Elastic, fault-tolerant training for PyTorch.")
+    # allow_abbrev=False, here and on each verb: argparse looks at every argument, the
+    # training command's too, before it knows where the command starts, and with
+    # abbreviations on it refuses ``train.py --n 96`` (--n: an ambiguous prefix of --num-proc
+    # and --network-interface). Without them, everything from the command on is the
+    # command's (REMAINDER), whatever it looks like.
+    parser = argparse.ArgumentParser(prog=PROG, description="Elastic, fault-tolerant training for PyTorch.",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="verb", required=True)
     timeline = sub.add_parser(
         "timeline",
         help="draw a job's membership timeline (from launch --log-dir) as a PNG",
+        allow_abbrev=False,
         description="Draw LOGDIR/events.jsonl: world size over time, a lane per host, faults, joins and "
                     "recovery times. Needs matplotlib.",
     )
@@ -53,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "launch",
         help="run a training command elastically",
+        allow_abbrev=False,
         description="Run COMMAND on every slot of the discovered hosts, elastically. A COMMAND that is a "
                     ".py file runs with this Python, as torchrun does.",
         epilog=f"Every option can also be set in the environment as {ENV_PREFIX}<NAME>, NAME being the long "
@@ -111,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--stop-grace", type=float, default=Timeouts.stop_grace, metavar="SECONDS",
                         help="when the driver stops a worker (the job's end, Ctrl-C, its host blacklisted): "
                              f"SIGTERM, then SIGKILL after this long (default: {Timeouts.stop_grace:g})")
+    bounds.add_argument("--error-wait", type=float, default=Timeouts.lost_member_wait, metavar="SECONDS",
+                        help="a worker that raised waits this long to learn whether its round lost a member "
+                             "before the error counts as its own; its peers wait as long in their next collective. "
+                             "Keep it above a training step's duration, or an error every rank raises may be taken "
+                             f"for one rank's (default: {Timeouts.lost_member_wait:g})")
     bounds.add_argument("--discovery-timeout", type=float, default=SCRIPT_TIMEOUT, metavar="SECONDS",
                         help="a run of the discovery script still going after this long has failed and is "
                              f"killed (default: {SCRIPT_TIMEOUT:g})")
@@ -173,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             exit=args.exit_timeout,
             preemption_grace=args.preemption_grace,
             stop_grace=args.stop_grace,
+            lost_member_wait=args.error_wait,
             discovery=args.discovery_timeout,
         ),
         repeated_error_limit=args.repeated_error_limit,

@@ -10,6 +10,10 @@ from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.hosts import HostSlots, count_slots
 
 
+# The longest a worker's question about an error is held by the driver (one long poll).
+MAX_LOST_MEMBER_WAIT = 60.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Timeouts:
     """Every bound the driver and workers wait with, in seconds, in one place."""
@@ -26,8 +30,13 @@ class Timeouts:
     # A script may import Lightning, prepare data and compile before it builds the Trainer
     # that joins the job: minutes, not seconds.
     worker_arrival: float = 600.0
-    # How long a worker that caught an exception waits to learn whether its round lost a
-    # member (collective failure) before treating the error as its own.
+    # --error-wait: how long a worker that caught an exception (not a collective
+    # error by its type) waits to learn whether its round lost a member before the error
+    # counts as its own. Meanwhile its peers wait for it in their next collective: this is
+    # the pause one rank's exception costs. It must cover the driver seeing a peer's exit
+    # (a tick, locally) and, for an error every rank raises at the same step, the spread
+    # of the ranks' arrival there (up to a step): shorter than a step, that error would be
+    # taken for one rank's, one worker failing after the other.
     lost_member_wait: float = 5.0
     # --stop-grace: SIGTERM, then SIGKILL after this long, when the driver stops workers (at
     # the job's end, on Ctrl-C, a blacklisted host's siblings). Long enough for a worker to
@@ -53,11 +62,15 @@ class Timeouts:
             ("--exit-timeout", self.exit),
             ("--preemption-grace", self.preemption_grace),
             ("--stop-grace", self.stop_grace),
+            ("--error-wait", self.lost_member_wait),
             ("--discovery-timeout", self.discovery),
         ):
             # "not > 0" so NaN fails too; inf would turn a bound into none.
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{option}: expected a positive, finite number of seconds, got {value}")
+        if self.lost_member_wait > MAX_LOST_MEMBER_WAIT:
+            raise ConfigError(f"--error-wait: expected at most {MAX_LOST_MEMBER_WAIT:g} seconds, "
+                              f"got {self.lost_member_wait}")
     # Driver loop tick: how often it reaps processes. It re-decides when something changed,
     # and at least this often (its timers: wedged workers, timeouts, cooldowns).
     tick: float = 0.05

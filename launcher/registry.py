@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from enum import Enum
 
+from lightning_elastic.launcher.config import MAX_LOST_MEMBER_WAIT
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
 from lightning_elastic.launcher.long_poll import LongPoll, Signal
 from lightning_elastic.protocol import (
@@ -367,7 +368,7 @@ class Registry:
         return self.round_lost_poll(request).wait()
 
     def round_lost_poll(self, request: RoundLostRequest) -> LongPoll[RoundLostReply]:
-        wait = min(request.wait_seconds, 60.0)
+        wait = min(request.wait_seconds, MAX_LOST_MEMBER_WAIT)
         with self.cond:
             record = self._get(request.worker_id)
             record.asking_round = request.round

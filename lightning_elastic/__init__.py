@@ -50,8 +50,8 @@ if TYPE_CHECKING:
         slot_info,
     )
     from lightning_elastic.ddp import DistributedDataParallel
-    from lightning_elastic.errors import CollectiveError
-    from lightning_elastic.fabric import ElasticFabricStrategy, FabricState, ElasticError, HostsUpdatedInterrupt, RendezvousError
+    from lightning_elastic.errors import CollectiveError, ElasticError, HostsUpdatedInterrupt, RendezvousError
+    from lightning_elastic.fabric import ElasticFabricStrategy, FabricState
     from lightning_elastic.lightning import ElasticCallback, ElasticStrategy, ScaleLearningRate
     from lightning_elastic.runner import run
     from lightning_elastic.sampler import ElasticSampler

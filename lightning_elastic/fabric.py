@@ -9,21 +9,27 @@ here:
   job instead of starting processes (``lightning-elastic launch`` started them), and rank
   and world size follow the worker from round to round.
 - ``fabric.setup_dataloaders`` gets the elastic sampler (each sample once per epoch in the
-  committed history, across resets) instead of torch's ``DistributedSampler``.
+  committed history, across resets) instead of torch's ``DistributedSampler``; with
+  ``use_distributed_sampler=False`` the loader is left as given, whole on every rank, as
+  with Fabric's ddp.
 - ``le.FabricState(fabric, model=..., optimizer=..., loader=..., epoch=0)`` commits what
   ``fabric.save`` would save of them (the unwrapped model's and optimizer's state dicts, the
   plain values) plus the sampler's position; ``state.setup()`` runs ``fabric.setup`` on the
   current round's group, and is called again in every attempt (a torch DDP is bound to the
   group it was built on).
 
-Only public Fabric APIs are used, so nothing here goes through
-``lightning_elastic.lightning.compat``; importing this module imports ``lightning.fabric``,
-not ``lightning.pytorch``.
+- A script without ``@le.run`` gets its end reported at exit (``report_end_outside_retry_loop``),
+  and Fabric's loggers keep one version per job (``FabricState.setup``).
+
+Only public Fabric APIs are used, except pinning a logger's version, which goes through
+``lightning_elastic.lightning.compat`` and is imported only by a Fabric with loggers;
+importing this module imports ``lightning.fabric``, not ``lightning.pytorch``.
 """
 
 from __future__ import annotations
 
-import os
+import atexit
+import sys
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -33,12 +39,14 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
+from lightning_elastic import protocol as p
 from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked
 from lightning_elastic.process_group import validate_backend, validate_timeout
+from lightning_elastic.recovery import describe_error
 from lightning_elastic.sampler import ElasticSampler
-from lightning_elastic.state import TorchState
+from lightning_elastic.state import TorchState, broadcast_object
 from lightning_elastic.worker import ElasticWorker
 
 STRATEGY_NAME = "elastic_hvd"
@@ -75,9 +83,13 @@ class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
         self._bind_worker(worker, collective_timeout, backend)
 
     @property
-    def distributed_sampler_kwargs(self) -> None:
-        # None: Fabric leaves the sampler alone; process_dataloader installs the elastic one.
-        return None
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Fabric reads these only for setup_dataloaders(use_distributed_sampler=True) (its
+        # default) and puts a DistributedSampler made with them on the loader, which
+        # process_dataloader then replaces with the elastic sampler. The world size is marked
+        # so that it tells Fabric's sampler from one the user made; a loader set up with
+        # use_distributed_sampler=False keeps its own sampler, whole on every rank, as with ddp.
+        return {"num_replicas": _ElasticShare(self.world_size), "rank": self.global_rank}
 
     def _configure_launcher(self) -> None:
         self._launcher = None  # the processes exist already: lightning-elastic launch started them
@@ -87,6 +99,8 @@ class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
         # The worker forms each round's group at its rendezvous; Fabric only reads the ranks.
         self._process_group_backend = self.worker.backend
         self.refresh_ranks()
+        if self.worker.elastic:
+            atexit.register(report_end_outside_retry_loop, self.worker)
 
     def _get_process_group_backend(self) -> str:
         return self.worker.backend
@@ -96,27 +110,63 @@ class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
         rank_zero_only.rank = self.global_rank
 
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
-        order = _sampling_order(dataloader)
-        if order is None:
-            warnings.warn(
-                "lightning-elastic: this DataLoader has a custom sampler, batch sampler or class; it is left "
-                "alone, so samples may be repeated or skipped across resets (use a plain DataLoader with "
-                "batch_size and shuffle for exactly-once epochs).", stacklevel=2,
-            )
-            return dataloader
-        shuffle, seed = order
-        sampler = ElasticSampler(dataloader.dataset, shuffle=shuffle, seed=seed, worker=self.worker,
-                                 batch_size=dataloader.batch_size)
-        return _with_sampler(dataloader, _NoAutoEpoch(sampler))
+        sampler = dataloader.sampler
+        if not isinstance(sampler, DistributedSampler):
+            return dataloader  # use_distributed_sampler=False, or an iterable dataset: as given, as with ddp
+        if isinstance(sampler.num_replicas, _ElasticShare) and _replaceable(dataloader):
+            elastic = ElasticSampler(dataloader.dataset, shuffle=sampler.shuffle, seed=sampler.seed,
+                                     worker=self.worker, batch_size=dataloader.batch_size)
+            return _with_sampler(dataloader, _FabricSampler(elastic))
+        warnings.warn(
+            "lightning-elastic: this DataLoader has a custom sampler, batch sampler or class; its samples are "
+            "split among the ranks of the current round only, so they may be repeated or skipped after a reset "
+            "(use a plain DataLoader with batch_size and shuffle for exactly-once epochs, or "
+            "setup_dataloaders(..., use_distributed_sampler=False) for a loader every rank reads whole).",
+            stacklevel=2,
+        )
+        return dataloader
 
 
-class _NoAutoEpoch(Sampler[int]):
-    """The elastic sampler without ``set_epoch``: Fabric's loader wrapper sets the epoch of a
-    sampler that has one to the number of times it was iterated, which after a reset is
-    not the epoch. The elastic sampler's epoch is committed state, set by the loop."""
+def report_end_outside_retry_loop(worker: ElasticWorker) -> None:
+    """At the exit of a process whose training ran outside ``@le.run`` (a Fabric script that
+    does not import lightning_elastic, say), tell the driver how it ended, as ``@le.run``
+    would: training returned (a clean exit), or failed with the uncaught error. Without this
+    the driver takes a clean exit for a failure. Nothing recovers such a script: an error or
+    a lost worker ends its training, which the line printed then says.
+    """
+    if worker.reported is not None or worker.in_retry_loop:
+        return  # @le.run reported (or will report) itself
+    error = getattr(sys, "last_value", None)  # the uncaught exception whose traceback was printed
+    if error is None:
+        worker.report(p.Outcome.DONE)
+        return
+    print("lightning-elastic: this process raised outside @le.run, where nothing recovers; a Fabric loop "
+          "survives errors and lost workers inside @le.run with le.FabricState (README: Quickstart: Lightning "
+          "Fabric)", file=sys.stderr, flush=True)
+    worker.report(p.Outcome.FAILED, describe_error(error))
+
+
+class _ElasticShare(int):
+    """The world size in the ``DistributedSampler`` Fabric makes for this strategy: its mark."""
+
+
+class _FabricSampler(Sampler[int]):
+    """The elastic sampler as a Fabric loader holds it.
+
+    Fabric's loader wrapper sets the epoch of its sampler to the number of times it was
+    iterated. For a loader in a ``FabricState`` (``owned``) that count is ignored: after a
+    reset it is not the epoch, which is committed state, set by the loop. Any other loader
+    (an evaluation loader, a script without ``@le.run``) takes it, as with ddp: without it,
+    every epoch would have the same order.
+    """
 
     def __init__(self, sampler: ElasticSampler) -> None:
         self.elastic = sampler
+        self.owned = False
+
+    def set_epoch(self, epoch: int) -> None:
+        if not self.owned:
+            self.elastic.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.elastic)
@@ -125,18 +175,11 @@ class _NoAutoEpoch(Sampler[int]):
         return len(self.elastic)
 
 
-def _sampling_order(dataloader: DataLoader) -> tuple[bool, int] | None:
-    """(shuffle, seed) of a plain DataLoader the elastic sampler can stand in for."""
-    if type(dataloader) is not DataLoader or isinstance(dataloader.dataset, IterableDataset):
-        return None
-    if dataloader.batch_size is None:
-        return None
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # fabric.seed_everything sets it
-    if type(dataloader.sampler) is RandomSampler:
-        return True, seed
-    if type(dataloader.sampler) is SequentialSampler:
-        return False, seed
-    return None
+def _replaceable(dataloader: DataLoader) -> bool:
+    """A plain DataLoader, on a map-style dataset, with a Random or Sequential sampler (which
+    Fabric replaced with its ``DistributedSampler``): the elastic sampler stands in for it."""
+    return (type(dataloader) is DataLoader and type(dataloader.sampler) is DistributedSampler
+            and dataloader.batch_size is not None and not isinstance(dataloader.dataset, IterableDataset))
 
 
 def _with_sampler(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
@@ -176,6 +219,8 @@ class FabricState(TorchState):
         super().__init__(model, optimizer, worker=strategy.worker, **extra, **values)
         object.__setattr__(self, "_fabric", fabric)
         object.__setattr__(self, "_loader", loader)
+        # The versions (runs) of the Fabric's loggers, as rank 0 of a round set them.
+        object.__setattr__(self, "_logger_versions", None)
 
     @property
     def fabric(self) -> Fabric:
@@ -190,8 +235,30 @@ class FabricState(TorchState):
         strategy = self._fabric.strategy
         assert isinstance(strategy, ElasticFabricStrategy)
         strategy.refresh_ranks()
+        self._keep_logger_versions()
         objects = [obj for obj in (getattr(self, "model", None), getattr(self, "optimizer", None)) if obj is not None]
         return self._fabric.setup(*objects)
+
+    def _keep_logger_versions(self) -> None:
+        """One logger version (run) per job, as the Trainer integration keeps: a new rank 0
+        would otherwise pick the next version and go on logging in a new folder. Rank 0
+        shares the versions it logs to (a survivor of an earlier round has them from it),
+        and every rank pins them, ready to log should it become rank 0."""
+        loggers = self._fabric.loggers
+        if not loggers:
+            return
+        # The private part (a logger's version is set only at construction) is in compat;
+        # importing it loads lightning.pytorch, paid only by a Fabric with loggers.
+        from lightning_elastic.lightning.compat import set_logger_version  # noqa: PLC0415
+
+        worker = self.worker
+        mine = self._logger_versions
+        if worker.assignment.rank == 0 and mine is None:
+            mine = [logger.version for logger in loggers]
+        versions = broadcast_object(mine, worker, src=0)
+        object.__setattr__(self, "_logger_versions", versions)
+        for logger, version in zip(loggers, versions or ()):
+            set_logger_version(logger, version)
 
     def record_batch(self, batch_idx: int) -> None:
         """Count batch ``batch_idx`` of this pass over the loader as processed by every rank."""
@@ -202,8 +269,12 @@ class FabricState(TorchState):
 
 
 def _elastic_sampler_of(loader: Any) -> ElasticSampler | None:
+    """The loader's elastic sampler, now owned by a state (its epoch is the state's)."""
     sampler = getattr(loader, "sampler", None)
-    return sampler.elastic if isinstance(sampler, _NoAutoEpoch) else None
+    if not isinstance(sampler, _FabricSampler):
+        return None
+    sampler.owned = True
+    return sampler.elastic
 
 
 def register_fabric_strategy() -> None:

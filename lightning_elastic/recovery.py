@@ -45,6 +45,8 @@ class Member(Protocol):
 
     def report(self, outcome: p.Outcome, message: str = "") -> None: ...
 
+    in_retry_loop: bool  # set here: the process's training runs in a retry loop
+
 
 class Recovery(Protocol[R_co]):
     """The parts of a training run the engine drives; each API supplies its own."""
@@ -87,6 +89,7 @@ class RetryEngine(Generic[R]):
 
     def run(self) -> R:
         worker, recovery = self._worker, self._recovery
+        worker.in_retry_loop = True
         resumed = False
         while True:
             try:

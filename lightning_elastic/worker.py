@@ -50,6 +50,9 @@ DRIVER_LOST_AFTER_TIMEOUTS = 2.0
 COLLECTIVE_WAIT_SLICE = datetime.timedelta(seconds=0.25)
 ABANDON_AFTER_BROKEN_S = 2.0
 
+# How long a worker's end report waits for its first-step report still in flight.
+FIRST_STEP_SEND_WAIT = 2.0
+
 
 @dataclasses.dataclass(frozen=True)
 class SlotInfo:
@@ -202,8 +205,13 @@ class ElasticWorker:
         # (round, wall time) of this worker's first training step in its newest round: sent
         # with heartbeats, for the driver's timeline.
         self._stepped: tuple[int, float] = (0, 0.0)
+        self._first_step_sender: threading.Thread | None = None  # rank 0's, of its newest round
         self._reset_started_at: float | None = None
         self.resets = 0  # resets this worker went through (recoveries and host changes)
+        # What this worker last told the driver of its end (DONE, FAILED, REMOVED), if anything.
+        self.reported: p.Outcome | None = None
+        # Set by the retry loop (``@le.run``, the Trainer's fit): recoveries are possible.
+        self.in_retry_loop = False
         self.last_recovery_s: float | None = None  # from its last reset to the next first step
 
     @classmethod
@@ -290,6 +298,7 @@ class ElasticWorker:
                 log.info("Worker %s is no longer part of the job: leaving.", self.settings.worker_id)
                 if self._preemption is not None:
                     self._preemption.left()  # leaving in time: no forced exit during teardown
+                self.reported = p.Outcome.REMOVED
                 self._client.report(after, p.Outcome.REMOVED)
                 self.shutdown()
                 sys.exit(0)
@@ -412,6 +421,34 @@ class ElasticWorker:
         if self._reset_started_at is not None:
             self.last_recovery_s = now - self._reset_started_at
             self._reset_started_at = None
+        if a.rank == 0 and self.settings is not None:
+            self._send_first_step(self._stepped)
+
+    def _send_first_step(self, stepped: tuple[int, float]) -> None:
+        """Tell the driver at once when training resumed in this round, for the timeline.
+
+        Heartbeats carry it too, but a round that ends within a heartbeat interval (a kill
+        or a join shortly before training returns) would end without it, and the timeline
+        without that recovery's duration. Rank 0 alone sends it (all ranks step together:
+        one request per round, not a fleet's wave), from a thread: the training loop never
+        waits on the driver. A failure is left to the next heartbeat.
+        """
+        s = self.settings
+        assert s is not None
+
+        def send() -> None:
+            client = DriverClient(s.driver_url, s.secret, s.worker_id)  # the others' may be mid-request
+            try:
+                with self._lock:
+                    known, known_broken = self._seen_generation, self._last_broken_round
+                client.heartbeat(known, known_broken, 0.0, stepped)
+            except RendezvousError:
+                pass
+            finally:
+                client.close()
+
+        self._first_step_sender = threading.Thread(target=send, name="elastic-first-step", daemon=True)
+        self._first_step_sender.start()
 
     def classify_error(self, error: str, collective: bool) -> p.RoundLostReply:
         """The driver's decision on an error this worker caught: recover (a lost peer), or not.
@@ -484,6 +521,12 @@ class ElasticWorker:
         return self.settings is not None and PreemptionHandler.is_installed()
 
     def report(self, outcome: p.Outcome, message: str = "") -> None:
+        self.reported = outcome
+        sender = self._first_step_sender
+        if sender is not None:
+            # The round's first step before its end (a round that ends this quickly is
+            # the one whose first step would be missing); bounded, as the request is.
+            sender.join(FIRST_STEP_SEND_WAIT)
         if self._client is not None and self._assignment is not None:
             try:
                 self._client.report(self._assignment.round, outcome, message)

@@ -63,7 +63,7 @@ def test_sigkilled_worker_survivors_restore_commit_and_finish(job: Job) -> None:
 def test_worker_exception_is_reported_and_job_goes_on(job: Job) -> None:
     job.set_hosts(H1, H2, H3)
     code = job.run(
-        discovery_args(job, "-np", "3", "--min-np", "1"),
+        discovery_args(job, "-np", "3", "--min-np", "1", "--error-wait", "1"),
         [*STEADY, "--epochs", "2", "--fail-at-step", "5", "--fail-on-host", "127.0.0.2"],
     )
     assert code == 0, job.stderr()[-3000:]
@@ -76,6 +76,12 @@ def test_worker_exception_is_reported_and_job_goes_on(job: Job) -> None:
     assert job.world_sizes() == [3, 2]
     assert_epochs_complete(job, 2)
     assert_replicas_identical(job)
+    # The survivors waited for the raising rank in their next collective for --error-wait
+    # (1 s here; 5 by default, when this pause was ~6 s), then recovered.
+    raised = max(e["time"] for e in job.events("step") if e["step"] == 5 and e["worker"].startswith("127.0.0.2"))
+    resumed = min(e["time"] for e in job.events("step") if e["size"] == 2)
+    print(f"pause after one rank's exception with --error-wait 1: {resumed - raised:.2f} s")
+    assert resumed - raised < 3.5, resumed - raised
 
 
 def test_added_host_joins_with_broadcast_state(job: Job) -> None:
@@ -118,6 +124,37 @@ def test_timeline_of_a_kill_and_a_join_matches_the_summary(job: Job) -> None:
     drawn = subprocess.run([str(job.launcher), "timeline", str(logs)], capture_output=True, text=True, timeout=120)
     assert drawn.returncode == 0, drawn.stderr
     assert (logs / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rounds_shorter_than_a_heartbeat_interval_have_their_recovery_in_the_timeline(job: Job) -> None:
+    # A join, then a kill 3 steps into the joined round, and training returns 4 steps
+    # (0.3 s) after the kill's recovery: both rounds end well within the 2.5 s
+    # heartbeat interval, which used to carry the first step alone.
+    logs = job.dir / "logs"
+    job.set_hosts(H1)
+    job.start(discovery_args(job, "-np", "1", "--max-np", "2", "--log-dir", str(logs)),
+              [*STEADY, "--epochs", "100", "--end-in-round", "3", "4"])
+    job.wait_steps(3)
+    job.set_hosts(H1, H2)
+    # A loop's first step is noted at the commit after it (every 2 steps here): the kill
+    # comes once a step two after the round's first is logged, which follows that commit.
+    def steps_in_round_2() -> list[int]:
+        return [e["step"] for e in job.events("step") if e["size"] == 2]
+
+    wait_for(lambda: len(set(steps_in_round_2())) >= 3 or job.proc.poll() is not None, 90, "3 steps of round 2")
+    os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [1, 2, 1]
+    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    first = {e["round"]: e["at"] for e in events if e["kind"] == "first_step"}
+    assert sorted(first) == [1, 2, 3], events
+    recoveries = {e["round"]: e for e in events if e["kind"] == "recovery"}
+    assert {n: r["after"] for n, r in recoveries.items()} == {2: "host change", 3: "fault"}
+    assert all(0 < r["duration_s"] < 10 for r in recoveries.values()), recoveries
+    # Each round ended within a heartbeat interval of its first step.
+    broken = next(e["time"] for e in events if e["kind"] == "round_broken")
+    returned = max(e["time"] for e in job.events("done"))
+    assert broken - first[2] < 2.5 and returned - first[3] < 2.5, (first, broken, returned)
 
 
 def test_removed_host_shrinks_world_without_rollback(job: Job) -> None:

@@ -7,13 +7,14 @@ hold each sample exactly once, and all replicas must agree after every re-format
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 
 import pytest
 
-from tests.integration.harness import REPO, Job, assert_epochs_complete, assert_replicas_identical
+from tests.integration.harness import REPO, Job, assert_epochs_complete, assert_replicas_identical, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -22,9 +23,9 @@ H1, H2, H3 = "127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"
 EPOCHS = 3
 
 
-def start(job: Job, launch_args: list[str], step_delay: float = 0.1) -> None:
+def start(job: Job, launch_args: list[str], step_delay: float = 0.1, example_args: tuple[str, ...] = ()) -> None:
     command = [sys.executable, str(EXAMPLE), "--events", str(job.events_dir), "--samples", "192", "--batch-size", "8",
-               "--epochs", str(EPOCHS), "--commit-every", "2", "--step-delay", str(step_delay)]
+               "--epochs", str(EPOCHS), "--commit-every", "2", "--step-delay", str(step_delay), *example_args]
     job.start(["--host-discovery-script", str(job.discovery_script()), "--discovery-interval", "0.2", *launch_args],
               command=command)
 
@@ -33,11 +34,13 @@ def synced_steps(job: Job, round_number: int) -> set[int]:
     return {e["step"] for e in job.events("synced") if e["round"] == round_number}
 
 
-def test_a_killed_worker_leaves_the_others_training_from_the_last_commit(job: Job) -> None:
+def test_a_killed_rank_0_leaves_the_others_training_from_the_last_commit(job: Job) -> None:
     job.set_hosts(H1, H2, H3)
-    start(job, ["-np", "3", "--min-np", "1"])
-    job.wait_steps(5)
-    victim = job.worker_pid("127.0.0.2")
+    csv = job.dir / "csv"
+    start(job, ["-np", "3", "--min-np", "1"], example_args=("--eval", "--csv-dir", str(csv)))
+    wait_for(lambda: job.events("eval") or job.proc.poll() is not None, 60, "the first evaluation")
+    victim = job.worker_pid("127.0.0.1")
+    assert next(e["rank"] for e in job.events("start") if e["pid"] == victim) == 0
     os.kill(victim, signal.SIGKILL)
     assert job.wait() == 0, job.stderr()[-3000:]
     assert job.world_sizes() == [3, 2]
@@ -47,6 +50,20 @@ def test_a_killed_worker_leaves_the_others_training_from_the_last_commit(job: Jo
     assert resumed % 2 == 0  # a commit's step
     assert_epochs_complete(job, EPOCHS)
     assert_replicas_identical(job)
+    # setup_dataloaders(use_distributed_sampler=False): the whole dataset on every rank, in
+    # either world (it was sharded by the elastic sampler: 64 samples each of 3, 96 of 2).
+    evals = job.events("eval")
+    assert {(e["round"], e["size"]) for e in evals} == {(1, 3), (2, 2)}, evals
+    assert all(e["whole"] and e["samples"] == 192 for e in evals), evals
+    # fabric.log: one logger version (run) for the job, written on by the new rank 0 after
+    # the reset (it was a second one, version_1). As with the Trainer, the CSV logger of
+    # the new rank 0 starts metrics.csv anew (Lightning's CSVLogger does so in a folder
+    # that exists): the rows of the lost rank 0 are gone.
+    versions = sorted(d.name for d in (csv / "lightning_logs").iterdir())
+    assert versions == ["version_0"], versions
+    rows = (csv / "lightning_logs" / "version_0" / "metrics.csv").read_text().split()
+    logged = [int(line.split(",")[rows[0].split(",").index("step")]) for line in rows[1:]]
+    assert max(logged) == max(e["step"] for e in job.events("step")), logged
 
 
 def test_an_added_host_joins_with_the_state_and_a_removed_one_leaves(job: Job) -> None:
@@ -71,3 +88,22 @@ def test_an_added_host_joins_with_the_state_and_a_removed_one_leaves(job: Job) -
     assert {(e["round"], e["size"]) for e in resets} >= {(2, 3), (3, 2)}
     assert_epochs_complete(job, EPOCHS)
     assert_replicas_identical(job)
+
+
+def test_a_fabric_script_without_the_import_trains_and_its_job_succeeds(job: Job) -> None:
+    # Launched as a user writes it: the script's own --n, --e and --d (prefixes of several
+    # launch options) are the script's, and it neither imports lightning_elastic nor uses
+    # @le.run: its clean end is training returned, not a failure.
+    script = REPO / "tests" / "integration" / "fabric_no_import.py"
+    job.start(["-np", "2", "-H", f"{H1},{H2}"],
+              command=[sys.executable, str(script), "--n", "96", "--e", "2", "--d", str(job.events_dir)])
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert "job succeeded" in job.reason(), job.reason()
+    assert "Blacklisted" not in job.stderr()
+    records = [json.loads(p.read_text()) for p in sorted(job.events_dir.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in records) == [0, 1] and {r["size"] for r in records} == {2}
+    assert all(r["argv"] == {"n": 96, "e": 2, "d": str(job.events_dir)} for r in records)
+    for epoch in range(2):  # the elastic sampler: each sample once per epoch across the ranks
+        assert sorted(i for r in records for i in r["orders"][epoch]) == list(range(96))
+    # Fabric sets the sampler's epoch at every pass: a new order each epoch.
+    assert all(r["orders"][0] != r["orders"][1] for r in records)

@@ -124,6 +124,29 @@ def test_double_dash_before_the_command_is_dropped():
     assert parse("-np", "1", "--", "python", "-u", "t.py").command == ("python", "-u", "t.py")
 
 
+COMMAND_OPTIONS = (
+    # Prefixes of several launch options (--num-proc/--network-interface, --elastic-timeout/
+    # --env/--exit-timeout, --driver-address/--discovery-*), of one, launch's own options
+    # spelled out, and the top-level parser's.
+    "--n", "96", "--e", "3", "--d", "x", "--ver", "-n", "--min-np", "1", "-np", "4", "-H", "h:1", "--hosts=a",
+    "-x", "--verbose", "-h", "--help", "--version", "--",
+)
+
+
+def test_nothing_after_the_command_is_taken_by_the_launcher():
+    c = parse("-np", "1", "-H", "127.0.0.1:1", "python", "train.py", *COMMAND_OPTIONS)
+    assert c.command == ("python", "train.py", *COMMAND_OPTIONS)
+    assert (c.np, c.min_np, c.verbose, [h.host for h in c.hosts]) == (1, 1, False, ["127.0.0.1"])
+    # The environment's options are the launcher's whatever the command's arguments are.
+    c = parse("python", "train.py", "--n", "2", environ={"LIGHTNING_ELASTIC_NUM_PROC": "3"})
+    assert (c.np, c.command) == (3, ("python", "train.py", "--n", "2"))
+
+
+def test_a_launch_option_is_not_abbreviated():
+    with pytest.raises(SystemExit):
+        parse("--verb", "python", "t.py")
+
+
 def test_slots_per_host_fills_in_missing_host_slot_counts():
     c = parse("-H", "a,b:3", "--slots-per-host", "2", "python", "t.py")
     assert c.hosts == (HostSlots("a", 2), HostSlots("b", 3))
@@ -422,6 +445,16 @@ def test_new_bounds_and_port_reach_the_config():
 def test_new_bounds_default_to_the_old_constants():
     c = parse("python")
     assert (c.timeouts.stop_grace, c.timeouts.discovery, c.port) == (5.0, 30.0, None)
+    assert c.timeouts.lost_member_wait == 5.0
+
+
+def test_error_wait_is_an_option_and_bounded(capsys, no_launch):
+    assert parse("--error-wait", "0.5", "python").timeouts.lost_member_wait == 0.5
+    assert parse("python", environ={"LIGHTNING_ELASTIC_ERROR_WAIT": "2"}).timeouts.lost_member_wait == 2.0
+    for value, expected in (("0", "expected a positive, finite number of seconds, got 0.0"),
+                            ("61", "expected at most 60 seconds, got 61.0")):
+        code, lines = run_main(capsys, "--error-wait", value, "python")
+        assert (code, lines[-1]) == (2, f"lightning-elastic: error: --error-wait: {expected}")
 
 
 def test_hostfile_in_mpirun_and_horovod_forms_is_a_fixed_host_list(tmp_path):

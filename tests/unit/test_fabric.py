@@ -51,6 +51,14 @@ with warnings.catch_warnings(record=True) as caught:
         def __len__(self): return 20
     fabric.setup_dataloaders(DataLoader(data, batch_size=4, sampler=Custom()))
 out["custom_warning"] = any("custom sampler" in str(w.message) for w in caught)
+# use_distributed_sampler=False keeps the loader whole, as with ddp (an evaluation loader).
+whole = fabric.setup_dataloaders(DataLoader(data, batch_size=4), use_distributed_sampler=False)
+out["whole_sampler"] = type(whole.sampler).__name__
+# A loader no state owns is elastic too, and takes Fabric's epoch count (a new order each pass).
+extra = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
+orders = [[int(i) for x, _ in extra for i in x.flatten()] for _ in range(2)]
+out["extra_epoch"] = extra.sampler.elastic.epoch
+out["extra_orders_differ"] = orders[0] != orders[1] and sorted(orders[0]) == list(range(20))
 try:
     le.FabricState(fabric, loader=DataLoader(data, batch_size=4))
 except ValueError as err:
@@ -71,6 +79,7 @@ def test_fabric_gets_the_strategy_the_elastic_sampler_and_commits_its_position(t
         "epoch_after_two_passes": 5, "wrapped": "DistributedDataParallel",
         "committed_consumed": 8,  # two batches of 4 recorded before the commit
         "custom_warning": True,
+        "whole_sampler": "SequentialSampler", "extra_epoch": 1, "extra_orders_differ": True,
         "plain_loader": "FabricState: loader must come from fabric.setup_dataloaders with the 'elastic_hvd' "
                         "strategy and a plain DataLoader (its sampler is not elastic)",
     }
@@ -84,3 +93,29 @@ def test_a_fabric_state_needs_the_elastic_strategy():
     fabric = L.Fabric(accelerator="cpu", devices=1)
     with pytest.raises(ValueError, match="FabricState: the Fabric's strategy must be 'elastic_hvd', got SingleDeviceStrategy"):
         le.FabricState(fabric)
+
+
+class _Reporter:
+    def __init__(self, reported=None, in_retry_loop=False) -> None:
+        self.reported, self.in_retry_loop, self.sent = reported, in_retry_loop, []
+
+    def report(self, outcome, message: str = "") -> None:
+        self.sent.append((outcome, message))
+
+
+def test_the_end_of_training_outside_the_retry_loop_is_reported(monkeypatch, capsys):
+    from lightning_elastic import protocol as p  # noqa: PLC0415
+    from lightning_elastic.fabric import report_end_outside_retry_loop  # noqa: PLC0415
+
+    monkeypatch.delattr("sys.last_value", raising=False)
+    clean = _Reporter()
+    report_end_outside_retry_loop(clean)
+    assert clean.sent == [(p.Outcome.DONE, "")]
+    monkeypatch.setattr("sys.last_value", ValueError("bad batch"), raising=False)
+    raised = _Reporter()
+    report_end_outside_retry_loop(raised)
+    assert raised.sent == [(p.Outcome.FAILED, "ValueError: bad batch")]
+    assert "raised outside @le.run, where nothing recovers" in capsys.readouterr().err
+    for looped in (_Reporter(reported=p.Outcome.DONE), _Reporter(in_retry_loop=True)):
+        report_end_outside_retry_loop(looped)  # @le.run reports itself
+        assert looped.sent == []
