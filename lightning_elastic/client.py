@@ -75,8 +75,11 @@ class DriverClient:
                           p.RendezvousReply, wait=p.RENDEZVOUS_POLL)
 
     def heartbeat(self, known_generation: int, known_broken_round: int, wait: float,
-                  stepped: tuple[int, float] = (0, 0.0)) -> p.HeartbeatReply:
-        request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait, *stepped)
+                  stepped: tuple[int, float] = (0, 0.0), snapshots: Any = None) -> p.HeartbeatReply:
+        written, failed, error = (snapshots.written, snapshots.failed, snapshots.last_error[:200]) if snapshots \
+            else (0, 0, "")
+        request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait, *stepped,
+                                     written, failed, error)
         return self._post(p.PATH_HEARTBEAT, request, p.HeartbeatReply, wait=wait, retry_for=0.0)
 
     def round_lost(self, round_number: int, wait: float, collective: bool = False, error: str = "",

@@ -25,6 +25,10 @@ class _StateRecovery:
     def prepare(self, resumed: bool) -> None:
         # Before the first call and after every reset, every rank takes rank 0's state as its
         # live state and its commit, so a failure during the next attempt comes back here.
+        # A job resuming from a durable snapshot runs the reset callbacks too: the world
+        # size may differ from the one that wrote it.
+        if not resumed and self._state.resume_from_snapshot() is not None:
+            resumed = True
         if resumed:
             self._state.on_reset()
         self._state.sync()
