@@ -426,6 +426,8 @@ class Registry:
         with self.cond:
             record = self._get(report.worker_id)
             record.report = report
+            if report.snapshots_written or report.snapshots_failed:
+                record.snapshots = (report.snapshots_written, report.snapshots_failed, report.snapshot_error[:200])
             self.note_change()
 
 

@@ -79,7 +79,7 @@ def choose(settings: SnapshotSettings | None, command: Iterable[str], events: Ev
     log.info("Resuming from snapshot %s (step %d, epoch %d, written at world size %d).",
              found.path, m.step, m.epoch, m.world_size)
     events.emit("resumed_from_snapshot", path=str(found.path), sequence=m.sequence, step=m.step, epoch=m.epoch,
-                world_size=m.world_size, round=m.round, sampler=m.sampler, written_at=m.time, kind=m.kind)
+                world_size=m.world_size, round=m.round, sampler=m.sampler, written_at=m.time, content=m.kind)
     return Resume({**env, ENV_RESUME_FROM: str(found.path)}, found)
 
 

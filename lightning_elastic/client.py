@@ -92,8 +92,11 @@ class DriverClient:
         return self._post(p.PATH_LEAVE, p.LeaveRequest(self.worker_id, reason), p.LeaveReply, retry_for=2.0,
                           patient=False).graceful
 
-    def report(self, round_number: int, outcome: p.Outcome, message: str = "") -> None:
-        self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, message[:2000]), p.Ack)
+    def report(self, round_number: int, outcome: p.Outcome, message: str = "", snapshots: Any = None) -> None:
+        written, failed, error = (snapshots.written, snapshots.failed, snapshots.last_error[:200]) if snapshots \
+            else (0, 0, "")
+        self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, message[:2000], written, failed,
+                                           error), p.Ack)
 
     def store(self, request: p.StoreRequest) -> p.StoreReply:
         return self._post(p.PATH_STORE, request, p.StoreReply, wait=request.wait_seconds)

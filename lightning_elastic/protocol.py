@@ -182,6 +182,11 @@ class Report:
     round: int
     outcome: Outcome
     message: str = ""
+    # The final counts of durable snapshots (as in HeartbeatRequest), the write in progress
+    # included: a heartbeat may not come after the last one.
+    snapshots_written: int = 0
+    snapshots_failed: int = 0
+    snapshot_error: str = ""
 
 
 class StoreOp(str, Enum):

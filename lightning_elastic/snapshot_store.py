@@ -57,6 +57,9 @@ class SnapshotInfo:
     world_size: int
     sampler: dict[str, int] | None
     kind: str = "state"
+    # Top-level entries added to the tree written (Lightning: what its checkpoint leaves
+    # out and an elastic resume needs); plain data, never changed after the offer.
+    extra: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +232,8 @@ class SnapshotWriter:
         sequence = self._sequence
         taken_at = time.time()
         tree = committed.tree(clone=False)  # the leased buffers themselves: only read
+        if info.extra:
+            tree = {**tree, **info.extra}
         box: dict[str, files.HashingWriter] = {}
 
         def fill(f: Any) -> None:

@@ -140,7 +140,7 @@ class ObjectState(State):
 
     def offer_snapshot(self) -> None:
         worker = self.worker
-        writer = getattr(worker, "snapshot_writer", None)  # test doubles of the worker have none
+        writer = worker.snapshot_writer
         if writer is None:
             return
         a = worker.assignment
@@ -153,7 +153,7 @@ class ObjectState(State):
 
     def resume_from_snapshot(self) -> str | None:
         worker = self.worker
-        plan = getattr(worker, "resume_from", None)
+        plan = worker.resume_from
         if plan is None:
             return None
         worker.resume_from = None  # the first round only

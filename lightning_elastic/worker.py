@@ -528,8 +528,12 @@ class ElasticWorker:
 
     def report(self, outcome: p.Outcome, message: str = "") -> None:
         if self._client is not None and self._assignment is not None:
+            writer = self.snapshot_writer
+            if writer is not None:
+                writer.close(timeout=30.0)  # the final counts include a write in progress
             try:
-                self._client.report(self._assignment.round, outcome, message)
+                self._client.report(self._assignment.round, outcome, message,
+                                    writer.stats if writer is not None else None)
             except RendezvousError as err:
                 log.warning("Could not report %s to the driver: %s", outcome.value, err)
 

@@ -29,6 +29,8 @@ from lightning_elastic.lightning.commit import (
     agree_on_restore,
     checkpoint_for_lightning,
     commit_info,
+    load_snapshot_commit,
+    snapshot_info,
     receive_commit,
     take_split_commit,
 )
@@ -123,6 +125,25 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         skeleton, sources = self._capture.capture(trainer)
         take_split_commit(self.snapshot, skeleton, sources, self.worker.assignment.size, trainer.global_step, position)
         self.worker.note_commit()
+        writer = self.worker.snapshot_writer
+        if writer is not None:
+            a = self.worker.assignment
+            writer.offer(self.snapshot, snapshot_info(self.snapshot, a.round, trainer.current_epoch),
+                         may_start=a.rank == 0)
+
+    def resume_from_snapshot(self) -> None:
+        """Before the first fit attempt: rank 0 takes the durable snapshot this job resumes
+        from (``--snapshot-dir``) as its commit, which every rank then agrees on and loads."""
+        worker = self.worker
+        plan, worker.resume_from = worker.resume_from, None
+        if plan is None or worker.assignment.rank != 0:
+            return
+        found = plan.locate()
+        if found is not None:
+            load_snapshot_commit(self.snapshot, found.path)
+            log.info("Resuming from snapshot %s: step %d, epoch %d, written at world size %d (now %d).",
+                     found.path, found.manifest.step, found.manifest.epoch, found.manifest.world_size,
+                     worker.assignment.size)
 
     @property
     def has_commit(self) -> bool:

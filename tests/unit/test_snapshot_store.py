@@ -190,3 +190,114 @@ def test_init_arguments_override_the_launchers_environment(tmp_path):
     assert settings == SnapshotSettings(tmp_path / "b", 60.0, 4, True)
     with pytest.raises(SnapshotError, match="need snapshot_dir"):
         snapshot_store.plan({}, every=3.0)
+
+
+# ----- the State API: commits offered, a snapshot resumed -----------------------------------
+
+
+def make_state(worker, scale: float = 1.0):
+    from tests.unit.fakes import FakeWorker  # noqa: F401 - the worker given is one
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * scale)
+    return le.TorchState(model, optimizer, worker=worker, epoch=0, step=0)
+
+
+def test_rank_0_writes_its_commits_and_a_new_job_resumes_from_them_with_the_reset_callbacks(tmp_path):
+    from lightning_elastic.runner import _StateRecovery
+    from lightning_elastic.snapshot_store import ResumePlan
+    from tests.unit.fakes import FakeWorker
+
+    worker = FakeWorker(rank=0, size=3)
+    worker.snapshot_writer = writer_for(tmp_path)
+    state = make_state(worker)
+    with torch.no_grad():
+        state.model.weight.add_(1.0)
+    state.step, state.epoch = 7, 1
+    state.commit()
+    assert worker.snapshot_writer.wait(10) and worker.snapshot_writer.stats.written == 1
+    manifest = json.loads((tmp_path / "snapshot-1.json").read_text())
+    assert (manifest["step"], manifest["epoch"], manifest["world_size"]) == (7, 1, 3)
+    saved = state.model.weight.detach().clone()
+
+    fresh = FakeWorker(rank=0, size=1)
+    fresh.resume_from = ResumePlan(None, tmp_path)
+    resumed = make_state(fresh)
+    resets: list[int] = []
+    resumed.register_reset_callbacks([lambda: resets.append(fresh.assignment.size)])
+    _StateRecovery(resumed, lambda: None).prepare(resumed=False)
+    assert torch.equal(resumed.model.weight, saved) and (resumed.step, resumed.epoch) == (7, 1)
+    assert resets == [1]  # the world size may differ from the one that wrote it (3)
+    assert fresh.resume_from is None  # only the first round resumes
+    resumed.step = 99
+    resumed.restore()
+    assert resumed.step == 7  # the snapshot is the commit a failure goes back to
+
+
+def test_a_rank_other_than_0_never_writes(tmp_path):
+    from tests.unit.fakes import FakeWorker
+
+    worker = FakeWorker(rank=1, size=2)
+    worker.snapshot_writer = writer_for(tmp_path)
+    state = make_state(worker)
+    state.commit()
+    assert worker.snapshot_writer.wait(10) and worker.snapshot_writer.stats.written == 0
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_snapshot_of_another_model_is_one_line_and_keeps_the_state(tmp_path):
+    from tests.unit.fakes import FakeWorker
+
+    worker = FakeWorker()
+    worker.snapshot_writer = writer_for(tmp_path)
+    state = make_state(worker)
+    state.commit()
+    assert worker.snapshot_writer.wait(10)
+    other = le.TorchState(torch.nn.Linear(5, 2), worker=FakeWorker(), step=3)
+    before = other.model.weight.detach().clone()
+    with pytest.raises(SnapshotError, match="does not fit this state") as err:
+        other.load_tree(le.load_snapshot(tmp_path), "snapshot-1.pt")
+    assert "\n" not in str(err.value) and "size mismatch" in str(err.value)
+    assert torch.equal(other.model.weight, before)
+    with pytest.raises(SnapshotError, match="holds a Lightning checkpoint"):
+        other.load_tree({"state_dict": {}, "epoch": 0}, "ckpt")
+
+
+# ----- the driver: counts for the summary, the snapshot to resume from ----------------------
+
+
+def test_the_summary_counts_every_workers_snapshots_from_heartbeats_and_final_reports():
+    from lightning_elastic.launcher import snapshots
+    from lightning_elastic.launcher.hosts import SlotKey
+    from lightning_elastic.launcher.registry import Registry
+    from lightning_elastic.protocol import HeartbeatRequest, Outcome, Report
+
+    reg = Registry()
+    with reg.cond:
+        reg.add_worker("a", SlotKey("h1", 0))
+        reg.add_worker("b", SlotKey("h2", 0))
+    reg.heartbeat(HeartbeatRequest("a", 0, 0, 0.0, snapshots_written=2))
+    reg.heartbeat(HeartbeatRequest("b", 0, 0, 0.0, snapshots_written=1, snapshots_failed=1, snapshot_error="x"))
+    reg.report(Report("b", 0, Outcome.DONE, "", 1, 3, "Read-only file system: /s"))
+    assert snapshots.totals(reg.workers.values()) == (3, 3, "Read-only file system: /s")
+
+
+def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path, caplog):
+    from lightning_elastic.launcher import snapshots
+    from lightning_elastic.launcher.events import EventLog
+
+    write_three(tmp_path / "s")
+    (tmp_path / "s" / "snapshot-3.pt").write_bytes(b"torn")
+    events = EventLog(tmp_path / "logs")
+    with caplog.at_level(logging.INFO, logger="lightning_elastic"):
+        resume = snapshots.choose(SnapshotSettings(tmp_path / "s"), ("python", "train.py"), events)
+    events.close()
+    assert resume is not None and resume.found is not None and resume.found.manifest.step == 2
+    assert resume.env[files.ENV_RESUME_FROM] == str(tmp_path / "s" / "snapshot-2.pt")
+    assert "skipping snapshot snapshot-3.json" in caplog.text
+    assert "another command" in caplog.text  # written by job-1, not by this command
+    logged = [json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if e["kind"] == "resumed_from_snapshot"] == [2]
+    no_resume = snapshots.choose(SnapshotSettings(tmp_path / "s", resume=False), ("python",), EventLog(None))
+    assert no_resume is not None and no_resume.found is None and files.ENV_RESUME_FROM not in no_resume.env
