@@ -162,6 +162,8 @@ class FabricState(TorchState):
     ``state.record_batch(batch_idx)`` after every step.
     """
 
+    _snapshot_kind = "fabric"  # a durable snapshot loads with fabric.load(path, {"model": ..., ...})
+
     def __init__(self, fabric: Fabric, model: Any = None, optimizer: Any = None, loader: Any = None,
                  **values: Any) -> None:
         strategy = fabric.strategy

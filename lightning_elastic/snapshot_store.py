@@ -232,6 +232,8 @@ class SnapshotWriter:
         sequence = self._sequence
         taken_at = time.time()
         tree = committed.tree(clone=False)  # the leased buffers themselves: only read
+        if info.kind == "fabric":
+            tree = flatten(tree)
         if info.extra:
             tree = {**tree, **info.extra}
         box: dict[str, files.HashingWriter] = {}
@@ -296,7 +298,7 @@ def read_tree(path: Path) -> Any:
 
 
 def info_of_state(values: dict[str, Any], stateful: dict[str, Any], commits: int, round_: int,
-                  world_size: int) -> SnapshotInfo:
+                  world_size: int, kind: str = "state") -> SnapshotInfo:
     """The manifest's numbers for a ``TorchState``/``ObjectState`` tree: its ``step`` and
     ``epoch`` values when it has them (else the commit count and 0), and the position of an
     ``ElasticSampler`` among its objects."""
@@ -311,6 +313,19 @@ def info_of_state(values: dict[str, Any], stateful: dict[str, Any], commits: int
         epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0,
         world_size=world_size,
         sampler=sampler,
+        kind=kind,
     )
+
+
+def flatten(tree: dict[str, Any]) -> dict[str, Any]:
+    """A ``FabricState`` tree as ``fabric.save`` lays a checkpoint out: one dict, each
+    object's state dict under its name, the plain values beside them."""
+    return {**tree.get("stateful", {}), **tree["values"]}
+
+
+def unflatten(flat: dict[str, Any], stateful_names: set[str]) -> dict[str, Any]:
+    """``flatten`` undone, given the names of the state's objects with a ``state_dict``."""
+    return {"values": {k: v for k, v in flat.items() if k not in stateful_names},
+            "stateful": {k: v for k, v in flat.items() if k in stateful_names}}
 
 

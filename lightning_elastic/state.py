@@ -110,6 +110,10 @@ class State:
 class ObjectState(State):
     """Plain Python values, kept as attributes: ``state.epoch += 1``."""
 
+    # How a durable snapshot lays the tree out (snapshot_store): "state" keeps
+    # {"values", "stateful"}; "fabric" writes one flat dict, as fabric.save does.
+    _snapshot_kind = "state"
+
     def __init__(self, worker: ElasticWorker | None = None, **values: Any) -> None:
         super().__init__(worker)
         object.__setattr__(self, "_names", list(values))
@@ -145,7 +149,7 @@ class ObjectState(State):
             return
         a = worker.assignment
         info = snapshot_store.info_of_state(self._plain_values(), self._stateful_objects(),
-                                            worker.commits_total, a.round, a.size)
+                                            worker.commits_total, a.round, a.size, self._snapshot_kind)
         writer.offer(self._snapshot, info, may_start=a.rank == 0)
 
     def _stateful_objects(self) -> dict[str, Any]:
@@ -172,6 +176,8 @@ class ObjectState(State):
 
     def load_tree(self, tree: Any, where: str = "the snapshot") -> None:
         """Make ``tree`` (what ``le.load_snapshot`` returns) the live state and the commit."""
+        if self._snapshot_kind == "fabric" and isinstance(tree, dict) and "values" not in tree:
+            tree = snapshot_store.unflatten(tree, set(self._stateful_objects()))
         if not isinstance(tree, dict) or not isinstance(tree.get("values"), dict):
             kind = "a Lightning checkpoint" if isinstance(tree, dict) and "state_dict" in tree else type(tree).__name__
             raise snapshot_store.SnapshotError(
