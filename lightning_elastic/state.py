@@ -87,9 +87,9 @@ class State:
         due (``--snapshot-dir``); never waits for the disk."""
 
     def resume_from_snapshot(self) -> str | None:
-        """Before the first round's sync: rank 0 loads the snapshot the job resumes from
-        into its live state (and commit). Returns its name on every rank when the job
-        resumes (every rank then runs the reset callbacks), else None."""
+        """Until a round has synced: rank 0 loads the snapshot the job resumes from into
+        its live state (and commit). Returns its name on every rank when the job resumes
+        (every rank then runs the reset callbacks), else None."""
         return None
 
     def check_host_updates(self) -> None:
@@ -157,10 +157,9 @@ class ObjectState(State):
 
     def resume_from_snapshot(self) -> str | None:
         worker = self.worker
-        plan = worker.resume_from
+        plan = worker.resume_from  # cleared by @run once a round has synced
         if plan is None:
             return None
-        worker.resume_from = None  # the first round only
         if worker.assignment.rank != 0:
             # Rank 0 decides; its state reaches this rank in the sync that follows.
             return plan.path.name if plan.path is not None else "a snapshot"

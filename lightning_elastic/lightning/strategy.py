@@ -135,7 +135,7 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         """Before the first fit attempt: rank 0 takes the durable snapshot this job resumes
         from (``--snapshot-dir``) as its commit, which every rank then agrees on and loads."""
         worker = self.worker
-        plan, worker.resume_from = worker.resume_from, None
+        plan = worker.resume_from  # cleared once a fit attempt starts training from it
         if plan is None or worker.assignment.rank != 0:
             return
         found = plan.locate()
@@ -222,6 +222,7 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        self.worker.resume_from = None  # every rank holds the resumed state now
         self._capture.new_attempt()
         trainer = self.lightning_module.trainer
         resumed_from, self._resumed_world_size = self._resumed_world_size, None
