@@ -210,8 +210,10 @@ class SnapshotWriter:
             text = f"{type(err).__name__}: {err}" if not isinstance(err, OSError) else _os_error(err)
             with self._lock:
                 self._stats = dataclasses.replace(self._stats, failed=self._stats.failed + 1, last_error=text)
-            if text not in self._said and len(self._said) < 16:
-                self._said.add(text)
+            # Said once per kind of failure (not per file name: each attempt names its own).
+            kind = (err.strerror or type(err).__name__) if isinstance(err, OSError) else type(err).__name__
+            if kind not in self._said and len(self._said) < 16:
+                self._said.add(kind)
                 log.warning("Could not write a snapshot to %s (%s); training goes on, the next one is tried "
                             "in %g s.", self.settings.directory, text, self.settings.every)
             return
@@ -225,11 +227,9 @@ class SnapshotWriter:
 
         directory = self.settings.directory
         directory.mkdir(parents=True, exist_ok=True)
-        if self._sequence is None:
-            self._sequence = files.next_sequence(directory)
-        else:
-            self._sequence = max(self._sequence + 1, files.next_sequence(directory))
-        sequence = self._sequence
+        # The next number after this writer's last and after any in the directory (the
+        # previous rank 0 of the job wrote there too); a failed write uses none up.
+        sequence = max((self._sequence or 0) + 1, files.next_sequence(directory))
         taken_at = time.time()
         tree = committed.tree(clone=False)  # the leased buffers themselves: only read
         if info.kind == "fabric":
@@ -250,6 +250,7 @@ class SnapshotWriter:
             kind=info.kind, sha256=box["w"].hexdigest(), size=box["w"].size,
         )
         files.publish(directory, manifest)
+        self._sequence = sequence
         files.prune(directory, self.settings.keep)
         return manifest
 

@@ -301,3 +301,22 @@ def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path,
     assert [e["step"] for e in logged if e["kind"] == "resumed_from_snapshot"] == [2]
     no_resume = snapshots.choose(SnapshotSettings(tmp_path / "s", resume=False), ("python",), EventLog(None))
     assert no_resume is not None and no_resume.found is None and files.ENV_RESUME_FROM not in no_resume.env
+
+
+def test_a_failure_of_the_same_kind_is_said_once_whatever_file_it_names(tmp_path, caplog, monkeypatch):
+    def refuse(path, fill):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(files, "write_atomically", refuse)
+    snapshot, writer = HostSnapshot(), writer_for(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+        for step in range(4):
+            snapshot.capture(tree(step))
+            assert writer.offer(snapshot, info(step))
+            assert writer.wait(10)
+    assert writer.stats.failed == 4 and writer.stats.last_error.startswith("Read-only file system: ")
+    assert [r.getMessage().count("Could not write") for r in caplog.records] == [1]
+    monkeypatch.undo()
+    snapshot.capture(tree(9))
+    assert writer.offer(snapshot, info(9)) and writer.wait(10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot-1.json", "snapshot-1.pt"]  # none used up
