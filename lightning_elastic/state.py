@@ -190,8 +190,9 @@ class ObjectState(State):
             # load_state_dict's size mismatch is many lines: the first names the module.
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             detail = " ".join(line.strip() for line in str(err).splitlines()[1:3])
-            if previous is not None:
+            if previous is not None:  # load_state_dict copies what fits before it raises
                 self._snapshot.capture(previous.tree())
+                self.restore()
             raise snapshot_store.SnapshotError(
                 f"{where}: does not fit this state (another model?): {first} {detail}".strip()) from None
 
