@@ -667,3 +667,11 @@ def test_snapshot_options_come_from_the_command_line_or_the_environment(tmp_path
                                              "LIGHTNING_ELASTIC_SNAPSHOT_KEEP": "4"})
     assert c.snapshots is not None and c.snapshots.keep == 4 and c.snapshots.resume
     assert parse("-np", "1", "python").snapshots is None
+
+
+def test_a_snapshot_dir_that_cannot_be_created_exits_2_before_anything_starts(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    target = tmp_path / "file" / "snapshots"
+    code, lines = run_main(capsys, "-np", "1", "--snapshot-dir", str(target), "python", "-c", "pass")
+    assert code == 2
+    assert lines[-1] == f"lightning-elastic: error: --snapshot-dir: cannot create {target}: Not a directory"
