@@ -157,3 +157,41 @@ def test_a_snapshot_directory_turned_read_only_mid_run_fails_snapshots_not_train
     written, failed = (int(w) for w in re.findall(r"(\d+) (?:written|failed)", line))
     assert written >= 1 and failed >= 2 and "Read-only file system" in line, line
     assert_epochs_complete(job, 2)
+
+
+def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job: Job) -> None:
+    from tests.integration import test_lightning as lit
+
+    snapshots = job.dir / "snapshots"
+    launch = ["-np", "2", "-H", f"{H1},{H2}", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.3"]
+    lit.start(job, launch, step_delay=0.1)
+    per_epoch = lit.SAMPLES // (2 * lit.BATCH)  # 30 steps at world size 2
+
+    def in_second_epoch() -> dict | None:
+        m = (manifests(snapshots) or [None])[-1]
+        return m if m is not None and m["epoch"] == 1 and 5 <= m["step"] - per_epoch < per_epoch - 10 else None
+
+    assert isinstance(wait_for(lambda: in_second_epoch() or job._ended(), 120, "a snapshot in epoch 1"), dict), \
+        job.stderr()[-3000:]
+    kill_everything(job)
+    first = pids_of(job)
+    newest = manifests(snapshots)[-1]
+    assert newest["kind"] == "lightning"
+
+    again = relaunch(job, "again")
+    lit.start(again, launch, step_delay=0.0)
+    assert again.wait(180) == 0, again.stderr()[-3000:]
+    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % newest['sequence'])}" in again.stderr()
+    resumed = [e for e in again.events("synced") if e["pid"] not in first]
+    assert {e["step"] for e in resumed} == {newest["step"]} and len(resumed) == 2
+    # Mid-epoch: the relaunch ran only the steps after the snapshot; together with the
+    # killed launch's steps up to it, every sample of each epoch exactly once.
+    history: dict[int, list[dict]] = {}
+    for e in job.events("step"):
+        if (e["pid"] in first) == (e["step"] <= newest["step"]):
+            history.setdefault(e["step"], []).append(e)
+    assert min(s for s in history if s > newest["step"]) == newest["step"] + 1
+    assert sorted(history) == list(range(1, 2 * per_epoch + 1))
+    for epoch in (0, 1):
+        seen = [i for records in history.values() for r in records if r["epoch"] == epoch for i in r["indices"]]
+        assert sorted(seen) == list(range(lit.SAMPLES)), f"epoch {epoch}: not exactly once"
