@@ -95,7 +95,8 @@ def plan(environ: Any = os.environ, directory: str | os.PathLike[str] | None = N
         base = settings or SnapshotSettings(Path(directory))
         settings = SnapshotSettings(Path(directory), base.every, base.keep, base.resume)
     elif settings is None and (every is not None or keep is not None or resume is not None):
-        raise SnapshotError("le.init: snapshot_every, snapshot_keep and resume need snapshot_dir")
+        raise SnapshotError("snapshot_every, snapshot_keep and resume need snapshot_dir (or the launcher's "
+                            "--snapshot-dir)")
     if settings is None:
         return None, None
     settings = SnapshotSettings(

@@ -51,6 +51,9 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
 
     Registered as ``Trainer(strategy="elastic_hvd")``: elastic training with Elastic
     Horovod's semantics, named as Lightning names its strategies; no Horovod is involved.
+    ``snapshot_dir``, ``snapshot_every``, ``snapshot_keep`` and ``resume`` are
+    ``le.init``'s (durable snapshots, for a job started otherwise than by the launcher's
+    ``--snapshot-dir``): each snapshot is a Lightning checkpoint.
     """
 
     strategy_name = STRATEGY_NAME
@@ -64,6 +67,10 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         worker: ElasticWorker | None = None,
         timeout: timedelta | None = None,
         process_group_backend: str | None = None,
+        snapshot_dir: Any = None,
+        snapshot_every: float | None = None,
+        snapshot_keep: int | None = None,
+        resume: bool | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         # Checked here, so a bad value fails when the Trainer is built, not at the first round.
@@ -80,7 +87,8 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
             process_group_backend=process_group_backend,
             **ddp_kwargs,
         )
-        self._bind_worker(worker, collective_timeout, backend)
+        self._bind_worker(worker, collective_timeout, backend, {
+            "directory": snapshot_dir, "every": snapshot_every, "keep": snapshot_keep, "resume": resume})
         compat.ignore_mid_epoch_resume_warning()
         self.snapshot = HostSnapshot()  # the in-memory commit, kept across fit attempts
         self._capture = CheckpointCapture()
