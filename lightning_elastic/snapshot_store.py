@@ -33,7 +33,6 @@ from lightning_elastic.snapshot import Committed, HostSnapshot
 from lightning_elastic.snapshot_files import (
     ENV_DIR,
     ENV_EVERY,
-    ENV_JOB_ID,
     ENV_KEEP,
     ENV_NO_RESUME,
     ENV_RESUME_FROM,

@@ -29,7 +29,7 @@ from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
 from lightning_elastic.preemption import PreemptionHandler
-from lightning_elastic.snapshot_files import SnapshotSettings
+from lightning_elastic.snapshot_files import ENV_DIR, ENV_JOB_ID, SnapshotSettings
 from lightning_elastic.process_group import (
     BackendChoice,
     abandon_round_group,
@@ -119,8 +119,6 @@ def _driver_chose(environ: os._Environ | dict[str, str]) -> bool:
     ``--snapshot-dir``: then no ``LIGHTNING_ELASTIC_RESUME_FROM`` means start over (none
     valid, or ``--no-resume``). Otherwise (``le.init(snapshot_dir=...)`` alone) the
     worker searches the directory itself."""
-    from lightning_elastic.snapshot_store import ENV_DIR  # noqa: PLC0415
-
     return p.ENV_DRIVER_URL in environ and bool(environ.get(ENV_DIR, "").strip())
 
 
@@ -233,7 +231,7 @@ class ElasticWorker:
         Without a driver's choice (a job started otherwise than by the launcher) the first
         round resumes from the newest valid snapshot in the directory, unless ``resume`` is off.
         """
-        from lightning_elastic.snapshot_store import ENV_JOB_ID, ResumePlan, SnapshotWriter  # noqa: PLC0415
+        from lightning_elastic.snapshot_store import ResumePlan, SnapshotWriter  # noqa: PLC0415 - torch-heavy
 
         if settings is None:
             self.snapshot_writer, self.resume_from = None, None
