@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Iterable
 
+from lightning_elastic import __version__
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.events import EventLog
 from lightning_elastic.launcher.registry import WorkerRecord
@@ -76,6 +77,9 @@ def choose(settings: SnapshotSettings | None, command: Iterable[str], events: Ev
         log.warning("Snapshot %s was written by a launch with another command (job id %s, this one %s): resuming "
                     "from it anyway; pass --no-resume or another --snapshot-dir to start over.",
                     found.path.name, m.job_id, job_id)
+    if m.library != __version__:
+        log.warning("Snapshot %s was written by lightning-elastic %s, this is %s: resuming from it (its format, %d, "
+                    "is one this version reads).", found.path.name, m.library, __version__, m.format)
     log.info("Resuming from snapshot %s (step %d, epoch %d, written at world size %d).",
              found.path, m.step, m.epoch, m.world_size)
     events.emit("resumed_from_snapshot", path=str(found.path), sequence=m.sequence, step=m.step, epoch=m.epoch,

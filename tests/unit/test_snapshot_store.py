@@ -298,6 +298,7 @@ def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path,
     assert resume.env[files.ENV_RESUME_FROM] == str(tmp_path / "s" / "snapshot-2.pt")
     assert "skipping snapshot snapshot-3.json" in caplog.text
     assert "another command" in caplog.text  # written by job-1, not by this command
+    assert "was written by lightning-elastic" not in caplog.text  # this very version
     logged = [json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in logged if e["kind"] == "resumed_from_snapshot"] == [2]
     no_resume = snapshots.choose(SnapshotSettings(tmp_path / "s", resume=False), ("python",), EventLog(None))
