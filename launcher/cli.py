@@ -26,6 +26,7 @@ from lightning_elastic.launcher.hosts import HostSlots, count_slots, parse_host_
 from lightning_elastic.launcher.log_writer import BackgroundStreamHandler
 from lightning_elastic.launcher.network import explicit_driver_address
 from lightning_elastic.launcher.processes.output import WRITE_ERRORS, flush_or_discard
+from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings
 
 PROG = "lightning-elastic"
 ENV_PREFIX = "LIGHTNING_ELASTIC_"
@@ -144,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--port", type=int, metavar="PORT",
                         help="the one TCP port the driver serves workers on (rendezvous and store), for a "
                              "firewall to let through (default: any free port)")
+    durable = run.add_argument_group("durable snapshots")
+    durable.add_argument("--snapshot-dir", type=Path, metavar="DIR",
+                         help="write the newest commit to DIR in the background (rank 0, atomic, checksummed) and "
+                              "resume a new launch from the newest valid snapshot there; local or shared file system")
+    durable.add_argument("--snapshot-every", type=float, metavar="SECONDS",
+                         help="seconds between snapshots (default: 60; with --snapshot-dir)")
+    durable.add_argument("--snapshot-keep", type=int, metavar="K",
+                         help="complete snapshots to keep, older ones are deleted (default: 2)")
+    durable.add_argument("--no-resume", action="store_true",
+                         help="start over even if --snapshot-dir holds snapshots (new ones are still written)")
     run.add_argument("--log-dir", type=Path, metavar="DIR",
                      help="also write each worker's output, and the job's events.jsonl timeline, to DIR")
     run.add_argument("--verbose", action="store_true", help="log the driver's decisions in detail")
@@ -214,7 +225,27 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         discovery_interval=args.discovery_interval,
         log_dir=args.log_dir,
         verbose=args.verbose,
+        snapshots=snapshot_settings(args),
     )
+
+
+def snapshot_settings(args: argparse.Namespace) -> SnapshotSettings | None:
+    if args.snapshot_dir is None:
+        for option, value in (("--snapshot-every", args.snapshot_every), ("--snapshot-keep", args.snapshot_keep),
+                              ("--no-resume", args.no_resume or None)):
+            if value is not None:
+                raise ConfigError(f"{option}: only with --snapshot-dir")
+        return None
+    defaults = SnapshotSettings(Path("."))
+    try:
+        return SnapshotSettings(
+            directory=args.snapshot_dir.absolute(),
+            every=args.snapshot_every if args.snapshot_every is not None else defaults.every,
+            keep=args.snapshot_keep if args.snapshot_keep is not None else defaults.keep,
+            resume=not args.no_resume,
+        )
+    except SnapshotError as err:
+        raise ConfigError(str(err)) from None
 
 
 def read_hostfile(path: Path, default_slots: int | None) -> list[HostSlots]:

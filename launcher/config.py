@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.hosts import HostSlots, count_slots
+from lightning_elastic.snapshot_files import SnapshotSettings
 
 
 # The longest a worker's question about an error is held by the driver (one long poll).
@@ -165,6 +166,9 @@ class LaunchConfig:
     # --repeated-error-limit: end the job when the same collective error ends this many
     # consecutive rounds with no commit in between (0: never).
     repeated_error_limit: int = 3
+    # --snapshot-dir/--snapshot-every/--snapshot-keep/--no-resume: durable snapshots of the
+    # newest commit, and the one a launch resumes from (lightning_elastic.snapshot_files).
+    snapshots: SnapshotSettings | None = None
 
     def __post_init__(self) -> None:
         if not self.command:

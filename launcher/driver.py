@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
-from lightning_elastic.launcher import membership, policy
+from lightning_elastic.launcher import membership, policy, snapshots
 from lightning_elastic.launcher.config import LaunchConfig
 from lightning_elastic.launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
 from lightning_elastic.launcher.errors import ConfigError, LaunchError, StartError
@@ -90,6 +90,10 @@ class JobResult:
     # does not have, a port in use, no host name resolving): ``launch`` raises it as a
     # ConfigError, which the CLI prints as one line with exit status 2.
     refused: bool = False
+    # Durable snapshots (--snapshot-dir): what this launch resumed from ("": started over),
+    # and the snapshots written and failed, with the newest failure's reason.
+    resumed_from: str = ""
+    snapshots: tuple[int, int, str] | None = None
 
     def _sizes(self) -> str:
         sizes = [str(n) for n in self.rounds]
@@ -116,6 +120,10 @@ class JobResult:
         lines.append(f"  blacklisted:   {', '.join(self.blacklisted) or 'none'}")
         if self.rejected_requests:
             lines.append(f"  rejected rendezvous requests: {self.rejected_requests}")
+        if self.snapshots is not None:
+            lines.append(f"  resumed from:  {self.resumed_from or 'nothing (started over)'}")
+            written, failed, error = self.snapshots
+            lines.append(f"  snapshots:     {written} written, {failed} failed" + (f" ({error})" if failed else ""))
         return "\n".join(lines)
 
 
@@ -192,6 +200,7 @@ class Driver:
         self._stop_requested = threading.Event()
         self._stop_signal = ""
         self._started_at = clock()
+        self._resume: snapshots.Resume | None = None  # chosen at the start of run()
 
     # ----- life cycle -----------------------------------------------------------------
 
@@ -205,6 +214,10 @@ class Driver:
         c = self._config
         raise_descriptor_limit()
         self._events.emit("job_started", np=c.np, min_np=c.min_np, max_np=c.max_np)
+        try:
+            self._resume = snapshots.choose(c.snapshots, c.command, self._events)
+        except ConfigError as err:
+            return self._result(policy.Verdict(False, str(err)), refused=True)
         try:
             first = self._discovery.start()
         except LaunchError as err:
@@ -292,6 +305,8 @@ class Driver:
             departures=tuple(self._departures),
             departures_omitted=self._departures.omitted,
             refused=refused,
+            resumed_from=str(self._resume.found.path) if self._resume and self._resume.found else "",
+            snapshots=snapshots.totals(self._registry.workers.values()) if self._config.snapshots else None,
         )
 
     # ----- the loop -------------------------------------------------------------------
@@ -445,6 +460,7 @@ class Driver:
             p.ENV_LOST_MEMBER_WAIT: str(t.lost_member_wait),
             p.ENV_PROCESS_GROUP_TIMEOUT: str(t.process_group),
             p.ENV_PREEMPTION_GRACE: str(t.preemption_grace),
+            **(self._resume.env if self._resume else {}),
             # The usual torch variables, as planned; le.init() updates them every round.
             "RANK": str(slot.rank),
             "WORLD_SIZE": str(slot.size),

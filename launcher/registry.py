@@ -92,6 +92,8 @@ class WorkerRecord:
     standby: bool = False  # a hot spare (--spares): waits at the rendezvous, in no round
     joined: bool = False  # has reached the rendezvous at least once (le.init() ran)
     exit_status: int | None = None
+    # Durable snapshots it wrote and failed to write, and the newest failure (heartbeats).
+    snapshots: tuple[int, int, str] = (0, 0, "")
     # Its pending requests wait on this: fired when their answers may have changed.
     wake: Signal = dataclasses.field(default_factory=Signal, repr=False, compare=False)
 
@@ -344,6 +346,8 @@ class Registry:
         with self.cond:
             record = self._get(request.worker_id)
             record.last_heartbeat = self._clock()
+            if request.snapshots_written or request.snapshots_failed:
+                record.snapshots = (request.snapshots_written, request.snapshots_failed, request.snapshot_error[:200])
             if request.stepped_round > 0:
                 known = self.first_steps.get(request.stepped_round)
                 if known is None or request.stepped_at < known:
@@ -434,6 +438,8 @@ class Registry:
         with self.cond:
             record = self._get(report.worker_id)
             record.report = report
+            if report.snapshots_written or report.snapshots_failed:
+                record.snapshots = (report.snapshots_written, report.snapshots_failed, report.snapshot_error[:200])
             self.note_change()
 
 

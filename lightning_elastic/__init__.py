@@ -25,7 +25,7 @@ from lightning_elastic.import_hook import call_after_import
 # torch. ``import lightning_elastic`` alone imports neither torch nor Lightning.
 _EXPORTS = {
     "lightning_elastic.api": ("cross_rank", "cross_size", "current_worker", "init", "local_rank",
-                              "local_size", "rank", "size", "slot_info"),
+                              "load_snapshot", "local_size", "rank", "size", "slot_info"),
     "lightning_elastic.ddp": ("DistributedDataParallel",),
     "lightning_elastic.errors": ("CollectiveError", "ElasticError", "HostsUpdatedInterrupt", "RendezvousError"),
     "lightning_elastic.runner": ("run",),
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         cross_size,
         current_worker,
         init,
+        load_snapshot,
         local_rank,
         local_size,
         rank,
@@ -109,6 +110,7 @@ __all__ = [
     "cross_size",
     "current_worker",
     "init",
+    "load_snapshot",
     "local_rank",
     "local_size",
     "rank",

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
+from typing import Any
+
+from lightning_elastic import snapshot_store
 
 from lightning_elastic.worker import ElasticWorker, SlotInfo
 
@@ -16,7 +20,13 @@ _worker: ElasticWorker | None = None
 
 
 def init(
-    use_cuda: bool | None = None, collective_timeout: float | None = None, backend: str | None = None
+    use_cuda: bool | None = None,
+    collective_timeout: float | None = None,
+    backend: str | None = None,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+    snapshot_every: float | None = None,
+    snapshot_keep: int | None = None,
+    resume: bool | None = None,
 ) -> ElasticWorker:
     """Join the job described by the launcher's environment (a world of one without it).
 
@@ -24,11 +34,18 @@ def init(
     NCCL and ``cuda:LOCAL_RANK`` whenever CUDA is available. ``collective_timeout``
     (seconds) overrides the launcher's ``--collective-timeout``; ``backend`` ("gloo" or
     "nccl") the backend choice. Later calls return the same worker.
+
+    ``snapshot_dir``, ``snapshot_every`` (seconds), ``snapshot_keep`` and ``resume``
+    override the launcher's ``--snapshot-dir``, ``--snapshot-every``, ``--snapshot-keep`` and
+    ``--no-resume`` (for a job started otherwise): rank 0 writes its newest commit there in
+    the background, and the first round resumes from the newest valid snapshot found.
     """
     global _worker
     if _worker is None:
         _log_to_stderr()
+        settings, resume_from = snapshot_store.plan(os.environ, snapshot_dir, snapshot_every, snapshot_keep, resume)
         worker = ElasticWorker.from_environment(use_cuda, collective_timeout, backend)
+        worker.configure_snapshots(settings, resume_from)
         worker.start()
         atexit.register(worker.shutdown)
         _worker = worker
@@ -121,3 +138,17 @@ def slot_info() -> SlotInfo:
     before ``init()``.
     """
     return current_worker().slot_info()
+
+
+def load_snapshot(path: str | os.PathLike[str], verify: bool = True) -> Any:
+    """The state tree a durable snapshot holds (``--snapshot-dir``), on the CPU.
+
+    ``path``: a snapshot's data file (``snapshot-N.pt``), its manifest (``snapshot-N.json``)
+    or the snapshot directory itself (its newest valid snapshot). A ``le.TorchState``'s
+    snapshot is ``{"values": {name: value}, "stateful": {name: state_dict}}``; an
+    ``elastic_hvd`` job's is a Lightning checkpoint. The checksum in the manifest is checked
+    first (``verify=False`` skips it); a snapshot that fails it raises ``ValueError``. It
+    unpickles Python objects, as ``torch.load`` of a full checkpoint does: load snapshots
+    only from directories you trust. Needs no ``init()``.
+    """
+    return snapshot_store.load_snapshot(path, verify)

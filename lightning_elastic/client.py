@@ -76,8 +76,11 @@ class DriverClient:
                           p.RendezvousReply, wait=p.RENDEZVOUS_POLL)
 
     def heartbeat(self, known_generation: int, known_broken_round: int, wait: float,
-                  stepped: tuple[int, float] = (0, 0.0)) -> p.HeartbeatReply:
-        request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait, *stepped)
+                  stepped: tuple[int, float] = (0, 0.0), snapshots: Any = None) -> p.HeartbeatReply:
+        written, failed, error = (snapshots.written, snapshots.failed, snapshots.last_error[:200]) if snapshots \
+            else (0, 0, "")
+        request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait, *stepped,
+                                     written, failed, error)
         return self._post(p.PATH_HEARTBEAT, request, p.HeartbeatReply, wait=wait, retry_for=0.0)
 
     def round_lost(self, round_number: int, wait: float, collective: bool = False, error: str = "",
@@ -90,8 +93,11 @@ class DriverClient:
         return self._post(p.PATH_LEAVE, p.LeaveRequest(self.worker_id, reason), p.LeaveReply, retry_for=2.0,
                           patient=False).graceful
 
-    def report(self, round_number: int, outcome: p.Outcome, message: str = "") -> None:
-        self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, message[:2000]), p.Ack)
+    def report(self, round_number: int, outcome: p.Outcome, message: str = "", snapshots: Any = None) -> None:
+        written, failed, error = (snapshots.written, snapshots.failed, snapshots.last_error[:200]) if snapshots \
+            else (0, 0, "")
+        self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, message[:2000], written, failed,
+                                           error), p.Ack)
 
     def store(self, request: p.StoreRequest) -> p.StoreReply:
         return self._post(p.PATH_STORE, request, p.StoreReply, wait=request.wait_seconds)

@@ -53,7 +53,12 @@ STRATEGY_NAME = "elastic_hvd"
 
 
 class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
-    """Fabric's DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo)."""
+    """Fabric's DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo).
+
+    ``snapshot_dir``, ``snapshot_every``, ``snapshot_keep`` and ``resume`` are ``le.init``'s
+    (durable snapshots of a ``FabricState``, for a job started otherwise than by the
+    launcher's ``--snapshot-dir``).
+    """
 
     def __init__(
         self,
@@ -64,6 +69,10 @@ class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
         worker: ElasticWorker | None = None,
         timeout: timedelta | None = None,
         process_group_backend: str | None = None,
+        snapshot_dir: Any = None,
+        snapshot_every: float | None = None,
+        snapshot_keep: int | None = None,
+        resume: bool | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -80,7 +89,8 @@ class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
             **({"timeout": timeout} if timeout is not None else {}),
             **ddp_kwargs,
         )
-        self._bind_worker(worker, collective_timeout, backend)
+        self._bind_worker(worker, collective_timeout, backend, {
+            "directory": snapshot_dir, "every": snapshot_every, "keep": snapshot_keep, "resume": resume})
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -204,6 +214,8 @@ class FabricState(TorchState):
     ``state.sampler.set_epoch(state.epoch)`` at the start of every epoch, and
     ``state.record_batch(batch_idx)`` after every step.
     """
+
+    _snapshot_kind = "fabric"  # a durable snapshot loads with fabric.load(path, {"model": ..., ...})
 
     def __init__(self, fabric: Fabric, model: Any = None, optimizer: Any = None, loader: Any = None,
                  **values: Any) -> None:

@@ -126,6 +126,11 @@ class HeartbeatRequest:
     wait_seconds: float  # long poll: answer early when the generation or broken round moves past known
     stepped_round: int = 0  # the newest round in which this worker completed a training step (0: none)
     stepped_at: float = 0.0  # its first step in that round, the worker's wall clock (for the timeline)
+    # Durable snapshots this worker wrote and failed to write (--snapshot-dir), for the
+    # driver's summary; the newest failure's reason (bounded by the driver).
+    snapshots_written: int = 0
+    snapshots_failed: int = 0
+    snapshot_error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +184,11 @@ class Report:
     round: int
     outcome: Outcome
     message: str = ""
+    # The final counts of durable snapshots (as in HeartbeatRequest), the write in progress
+    # included: a heartbeat may not come after the last one.
+    snapshots_written: int = 0
+    snapshots_failed: int = 0
+    snapshot_error: str = ""
 
 
 class StoreOp(str, Enum):

@@ -25,9 +25,16 @@ class _StateRecovery:
     def prepare(self, resumed: bool) -> None:
         # Before the first call and after every reset, every rank takes rank 0's state as its
         # live state and its commit, so a failure during the next attempt comes back here.
+        # A job resuming from a durable snapshot runs the reset callbacks too: the world
+        # size may differ from the one that wrote it.
+        # Until a round has synced, whoever is rank 0 loads it (the first rank 0 may be lost
+        # before its state reached anyone).
+        if self._state.resume_from_snapshot() is not None:
+            resumed = True
         if resumed:
             self._state.on_reset()
         self._state.sync()
+        self._state.worker.resume_from = None  # synced: every rank holds the resumed state
 
     def attempt(self) -> R:
         return self._call()

@@ -252,6 +252,12 @@ class HostSnapshot:
         self._committed: _Commit | None = None
         self._pending: tuple[_Commit, PendingCopy] | None = None
         self._spare: list[torch.Tensor] | None = None
+        # A commit being written to disk (``lease``): its buffers are never reused while
+        # leased. A commit made meanwhile then writes into a third set, allocated once and
+        # kept as ``_reserve`` after the lease ends: with snapshots on, host memory holds at
+        # most three copies of the state (committed, spare, being written), never more.
+        self._leased: list[torch.Tensor] | None = None
+        self._reserve: list[torch.Tensor] | None = None
 
     def _choose_copier(self, sources: Sequence[torch.Tensor]) -> None:
         if self._fixed_copier is not None:
@@ -302,6 +308,9 @@ class HostSnapshot:
         if self.has_spare_for(specs):
             assert self._spare is not None
             return self._spare
+        reserve, self._reserve = self._reserve, None
+        if reserve is not None and specs_of(reserve) == specs and reserve is not self._leased:
+            return reserve
         return allocate(specs, self._copier.pinned)
 
     def receive(self, skeleton: Any, meta: Any, specs: tuple[TensorSpec, ...], buffers: list[torch.Tensor]) -> None:
@@ -315,7 +324,31 @@ class HostSnapshot:
         previous = self._committed
         self._committed = commit
         if previous is not None and previous.tensors is not commit.tensors:
-            self._spare = previous.tensors
+            # Leased buffers are being written to disk: not spare until the lease ends.
+            self._spare = None if previous.tensors is self._leased else previous.tensors
+
+    # ----- leasing (the background snapshot writer) -------------------------------------
+
+    def lease(self) -> Committed | None:
+        """The newest commit, its buffers kept from reuse until ``release()``: a reader on
+        another thread (the snapshot writer) may read them meanwhile. One lease at a time."""
+        if self._leased is not None:
+            raise RuntimeError("HostSnapshot.lease: the previous lease was not released")
+        committed = self.committed()
+        if committed is not None:
+            self._leased = self._committed.tensors if self._committed is not None else None
+        return committed
+
+    def release(self) -> None:
+        """End the lease: its buffers become the spare (or the reserve) set, or are dropped
+        when neither is free (a fourth set would exceed the bound)."""
+        leased, self._leased = self._leased, None
+        if leased is None or (self._committed is not None and leased is self._committed.tensors):
+            return
+        if self._spare is None:
+            self._spare = leased
+        elif self._reserve is None:
+            self._reserve = leased
 
     def _settle(self) -> None:
         """Wait for a copy still running, then promote it; a failed copy is dropped."""
@@ -343,3 +376,4 @@ class HostSnapshot:
         self._settle()
         self._committed = None
         self._spare = None
+        self._reserve = None

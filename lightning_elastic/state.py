@@ -10,15 +10,19 @@ way, after the new round is formed every rank takes rank 0's state
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_elastic import transfer
+from lightning_elastic import snapshot_store, transfer
 from lightning_elastic.snapshot import Committed, HostSnapshot, join
 from lightning_elastic.worker import ElasticWorker
+
+
+log = logging.getLogger(__name__)
 
 
 def _current_worker() -> ElasticWorker:
@@ -75,7 +79,18 @@ class State:
         """Save a copy in host memory, then check for host changes (may raise the interrupt)."""
         self.save()
         self.worker.note_commit()
+        self.offer_snapshot()
         self.check_host_updates()
+
+    def offer_snapshot(self) -> None:
+        """Rank 0 hands its newest commit to the background snapshot writer, when one is
+        due (``--snapshot-dir``); never waits for the disk."""
+
+    def resume_from_snapshot(self) -> str | None:
+        """Until a round has synced: rank 0 loads the snapshot the job resumes from into
+        its live state (and commit). Returns its name on every rank when the job resumes
+        (every rank then runs the reset callbacks), else None."""
+        return None
 
     def check_host_updates(self) -> None:
         """Raises ``HostsUpdatedInterrupt`` on every rank at the same step if hosts changed."""
@@ -94,6 +109,10 @@ class State:
 
 class ObjectState(State):
     """Plain Python values, kept as attributes: ``state.epoch += 1``."""
+
+    # How a durable snapshot lays the tree out (snapshot_store): "state" keeps
+    # {"values", "stateful"}; "fabric" writes one flat dict, as fabric.save does.
+    _snapshot_kind = "state"
 
     def __init__(self, worker: ElasticWorker | None = None, **values: Any) -> None:
         super().__init__(worker)
@@ -122,6 +141,60 @@ class ObjectState(State):
 
     def save(self) -> None:
         self._snapshot.capture(self._tree())
+
+    def offer_snapshot(self) -> None:
+        worker = self.worker
+        writer = worker.snapshot_writer
+        if writer is None:
+            return
+        a = worker.assignment
+        info = snapshot_store.info_of_state(self._plain_values(), self._stateful_objects(),
+                                            worker.commits_total, a.round, a.size, self._snapshot_kind)
+        writer.offer(self._snapshot, info, may_start=a.rank == 0)
+
+    def _stateful_objects(self) -> dict[str, Any]:
+        return {}
+
+    def resume_from_snapshot(self) -> str | None:
+        worker = self.worker
+        plan = worker.resume_from  # cleared by @run once a round has synced
+        if plan is None:
+            return None
+        if worker.assignment.rank != 0:
+            # Rank 0 decides; its state reaches this rank in the sync that follows.
+            return plan.path.name if plan.path is not None else "a snapshot"
+        found = plan.locate()
+        if found is None:
+            return None
+        tree = snapshot_store.read_tree(found.path)
+        self.load_tree(tree, str(found.path))
+        m = found.manifest
+        log.info("Resuming from snapshot %s: step %d, epoch %d, written at world size %d (now %d).",
+                 found.path, m.step, m.epoch, m.world_size, worker.assignment.size)
+        return found.path.name
+
+    def load_tree(self, tree: Any, where: str = "the snapshot") -> None:
+        """Make ``tree`` (what ``le.load_snapshot`` returns) the live state and the commit."""
+        if self._snapshot_kind == "fabric" and isinstance(tree, dict) and "values" not in tree:
+            tree = snapshot_store.unflatten(tree, set(self._stateful_objects()))
+        if not isinstance(tree, dict) or not isinstance(tree.get("values"), dict):
+            kind = "a Lightning checkpoint" if isinstance(tree, dict) and "state_dict" in tree else type(tree).__name__
+            raise snapshot_store.SnapshotError(
+                f"{where}: holds {kind}, not the state of a {type(self).__name__} (snapshots of an elastic_hvd "
+                "Trainer resume through the Trainer)")
+        previous = self._snapshot.committed()
+        self._snapshot.capture(tree)
+        try:
+            self.restore()
+        except (RuntimeError, ValueError, KeyError) as err:
+            # load_state_dict's size mismatch is many lines: the first names the module.
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            detail = " ".join(line.strip() for line in str(err).splitlines()[1:3])
+            if previous is not None:  # load_state_dict copies what fits before it raises
+                self._snapshot.capture(previous.tree())
+                self.restore()
+            raise snapshot_store.SnapshotError(
+                f"{where}: does not fit this state (another model?): {first} {detail}".strip()) from None
 
     def restore(self) -> None:
         committed = self._snapshot.committed()
@@ -166,6 +239,9 @@ class TorchState(ObjectState):
 
     def _stateful(self) -> dict[str, Any]:
         return {n: getattr(self, n) for n in self._names if _is_stateful(getattr(self, n))}
+
+    def _stateful_objects(self) -> dict[str, Any]:
+        return self._stateful()
 
     def _tree(self, with_stateful: bool = True) -> dict[str, Any]:
         stateful = {n: v.state_dict() for n, v in self._stateful().items()} if with_stateful else {}

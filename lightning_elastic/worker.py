@@ -16,6 +16,8 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
 from lightning_elastic.preemption import PreemptionHandler
+from lightning_elastic.snapshot_files import ENV_DIR, ENV_JOB_ID, SnapshotSettings
 from lightning_elastic.process_group import (
     BackendChoice,
     abandon_round_group,
@@ -36,6 +39,9 @@ from lightning_elastic.process_group import (
     validate_backend,
     validate_timeout,
 )
+
+if TYPE_CHECKING:
+    from lightning_elastic.snapshot_store import ResumePlan, SnapshotWriter
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +115,14 @@ class WorkerSettings:
             raise RendezvousError(
                 f"environment variable {err.args[0]} is missing: start workers with lightning-elastic launch"
             ) from None
+
+
+def _driver_chose(environ: os._Environ | dict[str, str]) -> bool:
+    """Did the launcher choose the snapshot to resume from? It does whenever it has
+    ``--snapshot-dir``: then no ``LIGHTNING_ELASTIC_RESUME_FROM`` means start over (none
+    valid, or ``--no-resume``). Otherwise (``le.init(snapshot_dir=...)`` alone) the
+    worker searches the directory itself."""
+    return p.ENV_DRIVER_URL in environ and bool(environ.get(ENV_DIR, "").strip())
 
 
 def _read_secret(environ: os._Environ | dict[str, str]) -> str:
@@ -188,6 +202,7 @@ class ElasticWorker:
         self._collective_timeout = collective_timeout  # None: the launcher's --collective-timeout
         self._requested_backend = backend  # None: NCCL with CUDA, else gloo
         self._commits_in_round = 0
+        self.commits_total = 0  # commits by this process, every round
         self._host_check: HostCheck | None = None  # the current round's
         self._preemption: PreemptionHandler | None = None
         self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
@@ -213,6 +228,29 @@ class ElasticWorker:
         # Set by the retry loop (``@le.run``, the Trainer's fit): recoveries are possible.
         self.in_retry_loop = False
         self.last_recovery_s: float | None = None  # from its last reset to the next first step
+        # Durable snapshots (lightning_elastic.snapshot_store): the writer, used by rank 0
+        # after its commits, and the snapshot the first round resumes from.
+        self.snapshot_writer: SnapshotWriter | None = None
+        self.resume_from: ResumePlan | None = None
+
+    def configure_snapshots(self, settings: SnapshotSettings | None, resume_from: Path | None = None) -> None:
+        """Persist commits as ``settings`` say; ``resume_from``: the snapshot the driver chose.
+
+        Without a driver's choice (a job started otherwise than by the launcher) the first
+        round resumes from the newest valid snapshot in the directory, unless ``resume`` is off.
+        """
+        from lightning_elastic.snapshot_store import ResumePlan, SnapshotWriter  # noqa: PLC0415 - torch-heavy
+
+        if settings is None:
+            self.snapshot_writer, self.resume_from = None, None
+            return
+        self.snapshot_writer = SnapshotWriter(settings, os.environ.get(ENV_JOB_ID, ""))
+        if resume_from is not None:
+            self.resume_from = ResumePlan(resume_from, settings.directory)
+        elif settings.resume and not _driver_chose(os.environ):
+            self.resume_from = ResumePlan(None, settings.directory)
+        else:
+            self.resume_from = None
 
     @classmethod
     def from_environment(
@@ -272,6 +310,8 @@ class ElasticWorker:
             self._join_next_round()
 
     def shutdown(self) -> None:
+        if self.snapshot_writer is not None:
+            self.snapshot_writer.close(timeout=30.0)  # a write in progress completes
         self._heartbeat_stop.set()
         if self._group_abandoned:
             abandon_round_group()
@@ -408,6 +448,7 @@ class ElasticWorker:
     def note_commit(self) -> None:
         """Count a commit: the driver tells a repeating error from one that makes progress."""
         self._commits_in_round += 1
+        self.commits_total += 1
         self._note_step()
 
     def _note_step(self) -> None:
@@ -528,8 +569,12 @@ class ElasticWorker:
             # the one whose first step would be missing); bounded, as the request is.
             sender.join(FIRST_STEP_SEND_WAIT)
         if self._client is not None and self._assignment is not None:
+            writer = self.snapshot_writer
+            if writer is not None:
+                writer.close(timeout=30.0)  # the final counts include a write in progress
             try:
-                self._client.report(self._assignment.round, outcome, message)
+                self._client.report(self._assignment.round, outcome, message,
+                                    writer.stats if writer is not None else None)
             except RendezvousError as err:
                 log.warning("Could not report %s to the driver: %s", outcome.value, err)
 
@@ -548,7 +593,9 @@ class ElasticWorker:
                 # reach the driver in waves (see heartbeat_hold).
                 hold = heartbeat_hold(interval, first)
                 first = False
-                reply = self._client.heartbeat(known, known_broken, hold, self._stepped)
+                writer = self.snapshot_writer
+                stats = writer.stats if writer is not None else None
+                reply = self._client.heartbeat(known, known_broken, hold, self._stepped, stats)
             except RendezvousError as err:
                 if "(409)" in str(err):
                     # The driver counts this worker as gone (it missed heartbeats behind a

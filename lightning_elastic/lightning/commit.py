@@ -11,6 +11,7 @@ tensor by tensor (``lightning_elastic.transfer``).
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any
 
 import torch
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from lightning_elastic.lightning import compat
 from lightning_elastic.sampler import epoch_batches_done
 from lightning_elastic.snapshot import Committed, HostSnapshot, join, split
+from lightning_elastic.snapshot_files import SnapshotError
+from lightning_elastic.snapshot_store import SnapshotInfo, read_tree
 from lightning_elastic.state import broadcast_object
 from lightning_elastic.transfer import broadcast_commit
 from lightning_elastic.worker import ElasticWorker
@@ -138,3 +141,39 @@ def checkpoint_for_lightning(committed: Committed, world_size: int) -> dict[str,
                 counters[key] = max(0, int(counters[key]) + delta)
             counters["completed"] = counters["processed"] - gap
     return checkpoint
+
+
+# The top-level key of a durable snapshot that holds what Lightning's checkpoint leaves out.
+SNAPSHOT_KEY = "lightning_elastic"
+
+
+def snapshot_info(snapshot: HostSnapshot, round_: int, epoch: int) -> SnapshotInfo:
+    """The manifest's numbers for the newest commit, and what its file must carry besides
+    Lightning's checkpoint (world size, sampler position, RNG states) to resume elastically."""
+    committed = snapshot.committed()
+    assert committed is not None
+    info: CommitInfo = committed.meta
+    position = info.sampler
+    extra = {SNAPSHOT_KEY: {
+        # Pickled: numpy's RNG state would make the file fail torch.load(weights_only=True),
+        # which load_from_checkpoint uses; bytes pass it.
+        "world_size": info.world_size, "global_step": info.global_step, "rng": pickle.dumps(info.rng),
+        "sampler": dataclasses.asdict(position) if position is not None else None,
+    }}
+    return SnapshotInfo(
+        round=round_, step=info.global_step, epoch=epoch, world_size=info.world_size,
+        sampler={"epoch": position.epoch, "consumed": position.consumed} if position is not None else None,
+        kind="lightning", extra=extra,
+    )
+
+
+def load_snapshot_commit(snapshot: HostSnapshot, path: Any) -> None:
+    """Make the durable snapshot at ``path`` the commit in ``snapshot`` (rank 0 of a new job)."""
+    checkpoint = read_tree(path)
+    extra = checkpoint.pop(SNAPSHOT_KEY, None) if isinstance(checkpoint, dict) else None
+    if not isinstance(extra, dict) or "state_dict" not in checkpoint:
+        raise SnapshotError(f"{path}: not a snapshot of an elastic_hvd Trainer (written by le.TorchState or "
+                            "another program?)")
+    sampler = SamplerPosition(**extra["sampler"]) if extra.get("sampler") else None
+    rng = pickle.loads(extra["rng"]) if isinstance(extra.get("rng"), bytes) else {}  # noqa: S301 - our own file
+    snapshot.capture(checkpoint, CommitInfo(int(extra["world_size"]), int(extra["global_step"]), sampler, rng))

@@ -8,13 +8,14 @@ does not load ``lightning.pytorch``.
 
 from __future__ import annotations
 
-from typing import Protocol
+import os
+from typing import Any, Protocol
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_elastic import api
+from lightning_elastic import api, snapshot_store
 from lightning_elastic.worker import ElasticWorker
 
 
@@ -75,12 +76,22 @@ class WorkerBacked:
     parallel_devices: list[torch.device] | None
 
     def _bind_worker(self, worker: ElasticWorker | None, collective_timeout: float | None,
-                     backend: str | None) -> None:
+                     backend: str | None, snapshots: dict[str, Any] | None = None) -> None:
+        """``snapshots``: the strategy's ``snapshot_dir``, ``snapshot_every``, ``snapshot_keep``
+        and ``resume`` (those given), as ``le.init`` takes them; checked here."""
         self._worker = worker
         self._collective_timeout = collective_timeout
         self._requested_backend = backend
+        given = {k: v for k, v in (snapshots or {}).items() if v is not None}
+        # Validated now: a bad value fails when the strategy is built.
+        self._snapshot_plan = snapshot_store.plan(os.environ, **given) if given else None
         if worker is not None:
             worker.configure_collectives(collective_timeout, backend)
+            self._configure_snapshots(worker)
+
+    def _configure_snapshots(self, worker: ElasticWorker) -> None:
+        if self._snapshot_plan is not None:
+            worker.configure_snapshots(*self._snapshot_plan)
 
     @property
     def worker(self) -> ElasticWorker:
@@ -91,6 +102,7 @@ class WorkerBacked:
             self._worker = api.init(use_cuda=self._wants_cuda(), collective_timeout=self._collective_timeout,
                                     backend=self._requested_backend)
             self._worker.configure_collectives(self._collective_timeout, self._requested_backend)
+            self._configure_snapshots(self._worker)
         return self._worker
 
     def _warn_ignored_settings(self, api: str) -> None:

@@ -61,6 +61,9 @@ class _FitRecovery:
             compat.prepare_to_fit_again(self._trainer)
 
     def prepare(self, resumed: bool) -> None:
+        # A durable snapshot (--snapshot-dir) becomes rank 0's commit, until an attempt
+        # has started from it (the first rank 0 may be lost before anyone else has it).
+        self._strategy.resume_from_snapshot()
         resume = self._strategy.agree_on_restore(self._trainer)
         self._arguments["ckpt_path"] = COMMIT_MARKER if resume else self._user_ckpt_path
 

@@ -29,6 +29,8 @@ from lightning_elastic.lightning.commit import (
     agree_on_restore,
     checkpoint_for_lightning,
     commit_info,
+    load_snapshot_commit,
+    snapshot_info,
     receive_commit,
     take_split_commit,
 )
@@ -49,6 +51,9 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
 
     Registered as ``Trainer(strategy="elastic_hvd")``: elastic training with Elastic
     Horovod's semantics, named as Lightning names its strategies; no Horovod is involved.
+    ``snapshot_dir``, ``snapshot_every``, ``snapshot_keep`` and ``resume`` are
+    ``le.init``'s (durable snapshots, for a job started otherwise than by the launcher's
+    ``--snapshot-dir``): each snapshot is a Lightning checkpoint.
     """
 
     strategy_name = STRATEGY_NAME
@@ -62,6 +67,10 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         worker: ElasticWorker | None = None,
         timeout: timedelta | None = None,
         process_group_backend: str | None = None,
+        snapshot_dir: Any = None,
+        snapshot_every: float | None = None,
+        snapshot_keep: int | None = None,
+        resume: bool | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         # Checked here, so a bad value fails when the Trainer is built, not at the first round.
@@ -78,7 +87,8 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
             process_group_backend=process_group_backend,
             **ddp_kwargs,
         )
-        self._bind_worker(worker, collective_timeout, backend)
+        self._bind_worker(worker, collective_timeout, backend, {
+            "directory": snapshot_dir, "every": snapshot_every, "keep": snapshot_keep, "resume": resume})
         compat.ignore_mid_epoch_resume_warning()
         self.snapshot = HostSnapshot()  # the in-memory commit, kept across fit attempts
         self._capture = CheckpointCapture()
@@ -123,6 +133,25 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         skeleton, sources = self._capture.capture(trainer)
         take_split_commit(self.snapshot, skeleton, sources, self.worker.assignment.size, trainer.global_step, position)
         self.worker.note_commit()
+        writer = self.worker.snapshot_writer
+        if writer is not None:
+            a = self.worker.assignment
+            writer.offer(self.snapshot, snapshot_info(self.snapshot, a.round, trainer.current_epoch),
+                         may_start=a.rank == 0)
+
+    def resume_from_snapshot(self) -> None:
+        """Before the first fit attempt: rank 0 takes the durable snapshot this job resumes
+        from (``--snapshot-dir``) as its commit, which every rank then agrees on and loads."""
+        worker = self.worker
+        plan = worker.resume_from  # cleared once a fit attempt starts training from it
+        if plan is None or worker.assignment.rank != 0:
+            return
+        found = plan.locate()
+        if found is not None:
+            load_snapshot_commit(self.snapshot, found.path)
+            log.info("Resuming from snapshot %s: step %d, epoch %d, written at world size %d (now %d).",
+                     found.path, found.manifest.step, found.manifest.epoch, found.manifest.world_size,
+                     worker.assignment.size)
 
     @property
     def has_commit(self) -> bool:
@@ -201,6 +230,7 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        self.worker.resume_from = None  # every rank holds the resumed state now
         self._capture.new_attempt()
         trainer = self.lightning_module.trainer
         resumed_from, self._resumed_world_size = self._resumed_world_size, None

@@ -58,6 +58,12 @@ class FakeWorker:
         self.commits = 0
         self.resets = 0
         self.last_recovery_s: float | None = None
+        self.snapshot_writer: Any = None  # a SnapshotWriter: rank 0 offers its commits
+        self.resume_from: Any = None  # a ResumePlan: the first prepare loads it
+
+    @property
+    def commits_total(self) -> int:
+        return self.commits
 
     def note_commit(self) -> None:
         self.commits += 1

@@ -670,3 +670,41 @@ def test_the_command_line_wins_over_the_environment(script):
 def test_invalid_variables_exit_2_with_one_line_naming_them(capsys, no_launch, environ, message):
     code, lines = run_main(capsys, "python", environ=environ)
     assert (code, lines) == (2, [f"lightning-elastic: error: {message}"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--snapshot-every", "5"], "--snapshot-every: only with --snapshot-dir"),
+        (["--no-resume"], "--no-resume: only with --snapshot-dir"),
+        (["--snapshot-dir", "{tmp}", "--snapshot-every", "0"],
+         "--snapshot-every: expected a positive, finite number of seconds, got 0.0"),
+        (["--snapshot-dir", "{tmp}", "--snapshot-keep", "0"],
+         "--snapshot-keep: expected 1 or more snapshots to keep, got 0"),
+        (["--snapshot-dir", "{tmp}/file"], "--snapshot-dir: {tmp}/file is a file, expected a directory"),
+    ],
+)
+def test_invalid_snapshot_options_exit_2_with_one_line(capsys, no_launch, tmp_path, argv, message):
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, lines = run_main(capsys, "-np", "1", *argv, "python")
+    assert code == 2
+    assert lines == [f"lightning-elastic: error: {message.replace('{tmp}', str(tmp_path))}"]
+
+
+def test_snapshot_options_come_from_the_command_line_or_the_environment(tmp_path):
+    c = parse("-np", "1", "--snapshot-dir", str(tmp_path), "--snapshot-every", "2.5", "--no-resume", "python")
+    assert c.snapshots is not None and c.snapshots.directory == tmp_path and c.snapshots.every == 2.5
+    assert c.snapshots.keep == 2 and not c.snapshots.resume
+    c = parse("-np", "1", "python", environ={"LIGHTNING_ELASTIC_SNAPSHOT_DIR": str(tmp_path),
+                                             "LIGHTNING_ELASTIC_SNAPSHOT_KEEP": "4"})
+    assert c.snapshots is not None and c.snapshots.keep == 4 and c.snapshots.resume
+    assert parse("-np", "1", "python").snapshots is None
+
+
+def test_a_snapshot_dir_that_cannot_be_created_exits_2_before_anything_starts(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    target = tmp_path / "file" / "snapshots"
+    code, lines = run_main(capsys, "-np", "1", "--snapshot-dir", str(target), "python", "-c", "pass")
+    assert code == 2
+    assert lines[-1] == f"lightning-elastic: error: --snapshot-dir: cannot create {target}: Not a directory"

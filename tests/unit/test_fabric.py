@@ -119,3 +119,62 @@ def test_the_end_of_training_outside_the_retry_loop_is_reported(monkeypatch, cap
     for looped in (_Reporter(reported=p.Outcome.DONE), _Reporter(in_retry_loop=True)):
         report_end_outside_retry_loop(looped)  # @le.run reports itself
         assert looped.sent == []
+_SNAPSHOT = r"""
+import json, sys, torch
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+import lightning_elastic as le
+
+directory, phase = sys.argv[1], sys.argv[2]
+worker = le.init(snapshot_dir=directory, snapshot_every=1e-6)
+fabric = L.Fabric(strategy="elastic_hvd", accelerator="cpu", devices=1)
+fabric.launch()
+torch.manual_seed(0)
+data = TensorDataset(torch.arange(20).float().unsqueeze(1), torch.zeros(20, 1))
+loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
+model = torch.nn.Linear(1, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+state = le.FabricState(fabric, model=model, optimizer=optimizer, loader=loader, epoch=0, step=0)
+out = {}
+
+@le.run
+def train(state):
+    out["resumed_at"] = [state.epoch, state.step, state.sampler.consumed]
+    if phase == "resume":
+        return
+    ddp_model, ddp_optimizer = state.setup()
+    state.sampler.set_epoch(state.epoch)
+    for batch_idx, (x, y) in enumerate(loader):
+        ddp_optimizer.zero_grad()
+        fabric.backward(torch.nn.functional.mse_loss(ddp_model(x), y))
+        ddp_optimizer.step()
+        state.record_batch(batch_idx)
+        state.step += 1
+        if state.step == 3:
+            state.commit()
+            break
+
+train(state)
+worker.snapshot_writer.wait(30)
+if phase == "write":
+    fresh_model, fresh_optimizer = torch.nn.Linear(1, 1), torch.optim.SGD(model.parameters(), lr=0.1)
+    rest = fabric.load(directory + "/snapshot-1.pt", {"model": fresh_model, "optimizer": fresh_optimizer})
+    out["loaded_equal"] = bool(torch.equal(fresh_model.weight, model.weight))
+    out["rest"] = {k: v for k, v in rest.items() if k in ("epoch", "step", "sampler")}
+print(json.dumps(out))
+"""
+
+
+def test_a_fabric_states_snapshot_loads_with_fabric_load_and_a_new_run_resumes_from_it(tmp_path):
+    import json  # noqa: PLC0415
+
+    def run(phase: str) -> dict:
+        result = subprocess.run([sys.executable, "-c", _SNAPSHOT, str(tmp_path / "snapshots"), phase], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=110)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    written = run("write")
+    assert written["resumed_at"] == [0, 0, 0] and written["loaded_equal"]
+    assert written["rest"] == {"epoch": 0, "step": 3, "sampler": {"epoch": 0, "consumed": 12}}
+    assert run("resume")["resumed_at"] == [0, 3, 12]  # the next launch goes on from the snapshot

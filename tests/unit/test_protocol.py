@@ -85,6 +85,7 @@ def test_round_trip_through_str_and_dict(message):
 def test_enums_are_encoded_as_their_values():
     assert json.loads(p.to_json(p.Report("w", 1, p.Outcome.FAILED))) == {
         "worker_id": "w", "round": 1, "outcome": "failed", "message": "",
+        "snapshots_written": 0, "snapshots_failed": 0, "snapshot_error": "",
     }
     assert json.loads(p.to_json(p.RendezvousReply(p.RendezvousStatus.WAIT))) == {
         "status": "wait", "assignment": None, "standby": False,

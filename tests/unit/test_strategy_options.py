@@ -92,3 +92,15 @@ def test_num_nodes_is_said_to_be_ignored(api):
 @pytest.mark.parametrize("kwargs", [{}, {"devices": 1}, {"devices": "auto", "num_nodes": 1}])
 def test_devices_and_num_nodes_that_ask_for_nothing_else_say_nothing(kwargs):
     assert build("Trainer", **kwargs) == []
+
+
+def test_snapshot_options_reach_the_worker_and_bad_ones_fail_when_the_strategy_is_built(tmp_path):
+    worker = ElasticWorker(None)
+    ElasticStrategy(worker=worker, snapshot_dir=tmp_path, snapshot_every=5.0, snapshot_keep=3, resume=False)
+    assert worker.snapshot_writer is not None
+    assert (worker.snapshot_writer.settings.every, worker.snapshot_writer.settings.keep) == (5.0, 3)
+    assert worker.resume_from is None  # resume=False
+    with pytest.raises(ValueError, match="--snapshot-every: expected a positive"):
+        ElasticStrategy(worker=ElasticWorker(None), snapshot_dir=tmp_path, snapshot_every=0)
+    with pytest.raises(ValueError, match="need snapshot_dir"):
+        ElasticStrategy(worker=ElasticWorker(None), snapshot_every=5.0)

@@ -1,0 +1,197 @@
+"""Durable snapshots end to end: a whole job lost and launched again, real processes.
+
+Each job writes snapshots (``--snapshot-dir``) while the example loop trains; the test
+SIGKILLs the driver and every worker at once, as a lost allocation would, and runs the same
+command again. What the second launch resumed from is read from its summary and its
+``events.jsonl``; exactly-once from the example's per-epoch records; the final model from
+the hash of its parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.harness import Job, assert_epochs_complete, wait_for
+
+pytestmark = pytest.mark.integration
+
+H1, H2, H3 = "127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"
+TRAIN = ["--step-delay", "0.1", "--samples", "192", "--batch-size", "8", "--commit-every", "2", "--epochs", "2"]
+
+
+def relaunch(job: Job, name: str) -> Job:
+    """Another launch of the same command in the same directory (its own driver output)."""
+    again = Job(job.dir)
+    again.stdout_path, again.stderr_path = job.dir / f"{name}.out", job.dir / f"{name}.err"
+    return again
+
+
+def manifests(directory: Path) -> list[dict]:
+    found = []
+    for path in sorted(directory.glob("snapshot-*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # pruned or not yet renamed into place
+    return sorted(found, key=lambda m: m["sequence"])
+
+
+def kill_everything(job: Job, earlier: set[int] = frozenset()) -> None:
+    """SIGKILL the driver and every worker at once: nothing is told, nothing cleans up."""
+    assert job.proc is not None
+    pids = {job.proc.pid, *(pids_of(job) - earlier)}
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.proc.wait(10)
+    wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                             for pid in pids), 15, "every process of the job to die")
+
+
+def driver_events(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+def done_digests(job: Job, since_pids: set[int]) -> set[str]:
+    return {e["digest"] for e in job.events("done") if e["pid"] not in since_pids}
+
+
+def mid_epoch_snapshot(directory: Path, after_step: int) -> dict | None:
+    newest = manifests(directory)[-1:] or [None]
+    m = newest[0]
+    return m if m is not None and m["step"] >= after_step and 0 < m["sampler"]["consumed"] < 192 else None
+
+
+def pids_of(job: Job) -> set[int]:
+    return {e["pid"] for e in job.events("start")}
+
+
+def test_a_job_killed_whole_resumes_from_its_newest_snapshot_and_ends_as_if_never_interrupted(job: Job) -> None:
+    snapshots, logs = job.dir / "snapshots", job.dir / "logs"
+    launch = ["-np", "2", "-H", f"{H1},{H2}", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.2"]
+
+    # The reference: the same job, never interrupted (its own snapshot directory).
+    reference = relaunch(job, "reference")
+    ref_args = ["-np", "2", "-H", f"{H1},{H2}", "--snapshot-dir", str(job.dir / "ref-snapshots")]
+    assert reference.run(ref_args, TRAIN) == 0, reference.stderr()[-3000:]
+    expected = done_digests(reference, set())
+    assert len(expected) == 1
+    before = pids_of(reference)
+
+    job.start(launch, TRAIN)
+    snapshot = wait_for(lambda: mid_epoch_snapshot(snapshots, 14) or job._ended(), 90, "a mid-epoch snapshot")
+    assert isinstance(snapshot, dict), job.stderr()[-3000:]
+    kill_everything(job, before)
+    newest = manifests(snapshots)[-1]
+    assert not done_digests(job, before), "the job ended before it was killed: nothing to resume"
+    before = pids_of(job)
+
+    again = relaunch(job, "again")
+    assert again.run([*launch, "--log-dir", str(logs)], TRAIN) == 0, again.stderr()[-3000:]
+    err = again.stderr()
+    resumed = [e for e in driver_events(logs) if e["kind"] == "resumed_from_snapshot"]
+    assert len(resumed) == 1 and resumed[0]["sequence"] == newest["sequence"], (resumed, newest)
+    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % newest['sequence'])}" in err
+    # Training went on from the snapshot's step, on every rank.
+    synced = [e for e in again.events("synced") if e["pid"] not in before]
+    assert {e["step"] for e in synced} == {newest["step"]} and len(synced) == 2
+    # Each sample of each epoch once in the committed history, across the break...
+    assert_epochs_complete(again, 2)
+    # ... and the model equal bit for bit to the uninterrupted run's.
+    assert done_digests(again, before) == expected
+    assert "snapshots:" in err and " 0 failed" in err
+
+
+def test_resume_at_another_world_size_from_the_previous_snapshot_when_the_newest_is_torn(job: Job) -> None:
+    snapshots = job.dir / "snapshots"
+    common = ["--snapshot-dir", str(snapshots), "--snapshot-every", "0.2", "--snapshot-keep", "3"]
+    job.start(["-np", "3", "-H", f"{H1},{H2},{H3}", *common], TRAIN)
+    wait_for(lambda: len(manifests(snapshots)) >= 2 and mid_epoch_snapshot(snapshots, 10) or job._ended(),
+             90, "two snapshots")
+    kill_everything(job)
+    first_pids = pids_of(job)
+    *_, previous, newest = manifests(snapshots)
+    torn = snapshots / f"snapshot-{newest['sequence']}.pt"
+    torn.write_bytes(torn.read_bytes()[: newest["size"] // 2])  # a write cut off half way
+
+    again = relaunch(job, "again")
+    assert again.run(["-np", "2", "-H", f"{H1},{H2}", *common], TRAIN) == 0, again.stderr()[-3000:]
+    err = again.stderr()
+    assert f"skipping snapshot snapshot-{newest['sequence']}.json" in err
+    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % previous['sequence'])}" in err
+    synced = [e for e in again.events("synced") if e["pid"] not in first_pids]
+    assert {e["step"] for e in synced} == {previous["step"]} and {e["size"] for e in synced} == {2}
+    assert again.world_sizes() == [2]
+    assert_epochs_complete(again, 2)  # exactly once per epoch across the break, 3 -> 2 workers
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a read-only bind mount needs root")
+def test_a_snapshot_directory_turned_read_only_mid_run_fails_snapshots_not_training(job: Job) -> None:
+    snapshots = job.dir / "snapshots"
+    snapshots.mkdir()
+    job.start(["-np", "2", "-H", f"{H1},{H2}", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.2"],
+              TRAIN)
+    wait_for(lambda: manifests(snapshots) or job._ended(), 90, "a first snapshot")
+    mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(snapshots), str(snapshots)], capture_output=True)
+    if mounted.returncode != 0:
+        job.kill()
+        pytest.skip(f"cannot bind-mount read-only here: {mounted.stderr.decode().strip()}")
+    try:
+        assert job.wait() == 0, job.stderr()[-3000:]
+    finally:
+        subprocess.run(["umount", str(snapshots)], check=False)
+    err, out = job.stderr(), job.stdout()
+    # Rank 0's log (the workers' output) says it once; the summary counts every failure.
+    assert out.count("Could not write a snapshot") == 1 and "Read-only file system" in out
+    line = next(x for x in err.splitlines() if x.strip().startswith("snapshots:"))
+    written, failed = (int(w) for w in re.findall(r"(\d+) (?:written|failed)", line))
+    assert written >= 1 and failed >= 2 and "Read-only file system" in line, line
+    assert_epochs_complete(job, 2)
+
+
+def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job: Job) -> None:
+    from tests.integration import test_lightning as lit
+
+    snapshots = job.dir / "snapshots"
+    launch = ["-np", "2", "-H", f"{H1},{H2}", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.3"]
+    lit.start(job, launch, step_delay=0.1)
+    per_epoch = lit.SAMPLES // (2 * lit.BATCH)  # 30 steps at world size 2
+
+    def in_second_epoch() -> dict | None:
+        m = (manifests(snapshots) or [None])[-1]
+        return m if m is not None and m["epoch"] == 1 and 5 <= m["step"] - per_epoch < per_epoch - 10 else None
+
+    assert isinstance(wait_for(lambda: in_second_epoch() or job._ended(), 120, "a snapshot in epoch 1"), dict), \
+        job.stderr()[-3000:]
+    kill_everything(job)
+    first = pids_of(job)
+    newest = manifests(snapshots)[-1]
+    assert newest["kind"] == "lightning"
+
+    again = relaunch(job, "again")
+    lit.start(again, launch, step_delay=0.0)
+    assert again.wait(180) == 0, again.stderr()[-3000:]
+    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % newest['sequence'])}" in again.stderr()
+    resumed = [e for e in again.events("synced") if e["pid"] not in first]
+    assert {e["step"] for e in resumed} == {newest["step"]} and len(resumed) == 2
+    # Mid-epoch: the relaunch ran only the steps after the snapshot; together with the
+    # killed launch's steps up to it, every sample of each epoch exactly once.
+    history: dict[int, list[dict]] = {}
+    for e in job.events("step"):
+        if (e["pid"] in first) == (e["step"] <= newest["step"]):
+            history.setdefault(e["step"], []).append(e)
+    assert min(s for s in history if s > newest["step"]) == newest["step"] + 1
+    assert sorted(history) == list(range(1, 2 * per_epoch + 1))
+    for epoch in (0, 1):
+        seen = [i for records in history.values() for r in records if r["epoch"] == epoch for i in r["indices"]]
+        assert sorted(seen) == list(range(lit.SAMPLES)), f"epoch {epoch}: not exactly once"
