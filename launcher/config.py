@@ -152,6 +152,11 @@ class LaunchConfig:
     # --repeated-error-limit: end the job when the same collective error ends this many
     # consecutive rounds with no commit in between (0: never).
     repeated_error_limit: int = 3
+    # --state-dir: where the driver keeps what a restarted driver needs to adopt the job
+    # (launcher/state_dir.py); local workers then outlive the driver. None: they die with it.
+    state_dir: Path | None = None
+    # --driver-patience: with --state-dir, how long workers wait for an unreachable driver.
+    driver_patience: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -166,6 +171,12 @@ class LaunchConfig:
             raise ConfigError(f"--port: expected a port number 1..65535, got {self.port}")
         if self.log_dir is not None and self.log_dir.exists() and not self.log_dir.is_dir():
             raise ConfigError(f"--log-dir: {self.log_dir} is a file, expected a directory")
+        if self.state_dir is not None and self.state_dir.exists() and not self.state_dir.is_dir():
+            raise ConfigError(f"--state-dir: {self.state_dir} is a file, expected a directory")
+        if self.state_dir is not None and self.ray is not None:
+            raise ConfigError("--state-dir: not supported with --ray (Ray actors belong to the driver's job)")
+        if not (math.isfinite(self.driver_patience) and self.driver_patience > 0):
+            raise ConfigError(f"--driver-patience: expected a positive number of seconds, got {self.driver_patience}")
         if self.spares < 0:
             raise ConfigError(f"--spares: expected 0 or more workers, got {self.spares}")
         if self.hosts is not None and count_slots(self.hosts) < self.np:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
-from lightning_elastic.client import DriverClient, first_request_spread, heartbeat_hold
+from lightning_elastic.client import RETRY_FOR, DriverClient, first_request_spread, heartbeat_hold
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
@@ -83,6 +83,18 @@ class WorkerSettings:
     process_group_timeout: float
     preemption_grace: float
     cuda_device: int | None = None  # pinned by the launcher; None: cuda:LOCAL_RANK
+    # How long the driver may be unreachable before this worker exits (--driver-patience,
+    # with --state-dir: a restarted driver adopts it); 0: DRIVER_LOST_AFTER_TIMEOUTS.
+    driver_patience: float = 0.0
+
+    @property
+    def driver_lost_after(self) -> float:
+        return max(self.driver_patience, DRIVER_LOST_AFTER_TIMEOUTS * self.heartbeat_timeout)
+
+    def client(self) -> DriverClient:
+        """A client whose requests wait out an unreachable driver for as long as this worker does."""
+        return DriverClient(self.driver_url, self.secret, self.worker_id,
+                            retry_for=max(RETRY_FOR, self.driver_patience))
 
     @classmethod
     def from_environment(cls, environ: os._Environ | dict[str, str]) -> WorkerSettings | None:
@@ -101,6 +113,7 @@ class WorkerSettings:
                 process_group_timeout=float(environ.get(p.ENV_PROCESS_GROUP_TIMEOUT, "1800")),
                 preemption_grace=float(environ.get(p.ENV_PREEMPTION_GRACE, "30")),
                 cuda_device=int(environ[p.ENV_CUDA_DEVICE]) if environ.get(p.ENV_CUDA_DEVICE) else None,
+                driver_patience=float(environ.get(p.ENV_DRIVER_PATIENCE, "0")),
             )
         except KeyError as err:
             raise RendezvousError(
@@ -187,7 +200,7 @@ class ElasticWorker:
         self._commits_in_round = 0
         self._host_check: HostCheck | None = None  # the current round's
         self._preemption: PreemptionHandler | None = None
-        self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
+        self._client = settings.client() if settings else None
         self._store: DriverStore | None = None
         self._assignment: p.Assignment | None = None
         self._seen_generation = 0
@@ -318,8 +331,7 @@ class ElasticWorker:
             store: dist.Store = dist.HashStore()
         else:
             if self._store is None:
-                s = self.settings
-                client = DriverClient(s.driver_url, s.secret, s.worker_id)
+                client = self.settings.client()
                 self._store = DriverStore(client, timeout, interrupted=self._round_broken_reason)
             self._store.set_timeout(timeout)
             store = self._store
@@ -513,7 +525,9 @@ class ElasticWorker:
                     print("lightning-elastic: the driver no longer counts this worker in the job: exiting",
                           file=sys.stderr, flush=True)
                     os._exit(1)
-                lost_after = DRIVER_LOST_AFTER_TIMEOUTS * self.settings.heartbeat_timeout
+                # Training goes on meanwhile: collectives run peer to peer. With --state-dir
+                # a restarted driver adopts this worker within the patience.
+                lost_after = self.settings.driver_lost_after
                 if time.monotonic() - last_ok > lost_after:
                     print(f"lightning-elastic: driver unreachable for {lost_after:g} s: exiting",
                           file=sys.stderr, flush=True)

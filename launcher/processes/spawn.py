@@ -39,12 +39,14 @@ def spawn_worker(
     cwd: str | None,
     stdout: int | IO[bytes],
     secret_fd_variable: str,
+    die_with_parent: bool = True,
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` with ``secret`` readable once from the fd in ``secret_fd_variable``.
 
     stdout and stderr both go to ``stdout`` (a pipe or an inherited descriptor). This module
     is standard-library only: the ssh supervisor imports it on hosts where importing the
-    worker runtime (torch) would cost seconds per start.
+    worker runtime (torch) would cost seconds per start. ``die_with_parent`` False: the
+    process outlives this one (``--state-dir``'s keeper, see keeper.py).
     """
     read_end, write_end = os.pipe()
     try:
@@ -63,7 +65,7 @@ def spawn_worker(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             pass_fds=(read_end,),
-            preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
+            preexec_fn=die_with_parent_preexec() if die_with_parent else None,  # type: ignore[arg-type]
         )
     finally:
         os.close(read_end)

@@ -1,0 +1,209 @@
+"""--state-dir: the saved job state, the lock, the keeper and adopting a worker's process."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_elastic.launcher import adoption
+from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.host_manager import HostManager
+from lightning_elastic.launcher.hosts import HostSlots, SlotAssignment, SlotKey
+from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.detached import DetachedLauncher, LostProcess, is_running
+from lightning_elastic.launcher.registry import Registry, WorkerState
+from lightning_elastic.launcher.state_dir import JobState, StateDir, StateWriter, WorkerEntry
+from lightning_elastic.protocol import Outcome, Report
+from tests.unit.proc_tools import BOUND, REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def wait_until(predicate, what: str, bound: float = BOUND):
+    deadline = time.monotonic() + bound
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def a_job(tmp_path) -> tuple[Registry, HostManager, list[SlotAssignment], dict]:
+    """A registry with a formed round of two members and a third worker still starting."""
+    reg = Registry()
+    hosts = HostManager((10.0, 20.0), time.monotonic)
+    hosts.update([HostSlots("a", 2), HostSlots("b", 1)])
+    hosts.record_failure(SlotKey("b", 0))
+    target = [SlotAssignment(SlotKey("a", i), i, 2, 2, 0, 1) for i in range(2)]
+    with reg.cond:
+        records = [reg.add_worker(f"a[{i}]#{i}", SlotKey("a", i)) for i in range(2)]
+        reg.form_round(list(zip(records, target)), ("127.0.0.1", 4242))
+        for r in records:
+            r.joined = True
+        reg.add_worker("a[1]#2", SlotKey("a", 1))
+        reg.bump_generation()
+        records[0].report = Report(records[0].worker_id, 1, Outcome.DONE)
+    return reg, hosts, target, {}
+
+
+def test_job_state_round_trips_through_its_file(tmp_path):
+    reg, hosts, target, procs = a_job(tmp_path)
+    counters = adoption.Counters(3, (2,), ("worker x was killed",), ("b",), (), ("earlier outage",))
+    state = adoption.capture("127.0.0.1", 4242, reg, procs, target, True, hosts, counters)
+    directory = StateDir(tmp_path / "state")
+    directory.lock()
+    directory.save(state)
+    assert directory.load() == state
+    assert {w.worker_id for w in state.workers} == {"a[0]#0", "a[1]#1", "a[1]#2"}
+    assert state.round is not None and state.round.members == ("a[0]#0", "a[1]#1")
+    assert [(b.host, b.local_rank is None) for b in state.blacklist] == [("b", True)]
+
+
+def test_restore_gives_a_new_driver_the_same_job(tmp_path):
+    reg, hosts, target, procs = a_job(tmp_path)
+    counters = adoption.Counters(3, (2,), (), (), (), ())
+    state = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, counters)
+    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
+    new_hosts.update([HostSlots("a", 2), HostSlots("b", 1)])
+    with new_reg.cond:
+        restored = adoption.restore(state, new_reg, new_hosts, lambda entry, prefix: LostProcess(),
+                                    lambda record: lambda: "")
+    assert new_reg.round == reg.round
+    assert new_reg.generation == reg.generation == 1
+    for worker_id, record in reg.workers.items():
+        again = new_reg.workers[worker_id]
+        assert (again.slot, again.state, again.assignment, again.report) == \
+               (record.slot, record.state, record.assignment, record.report)
+    assert new_hosts.is_blacklisted("b") and not new_hosts.is_blacklisted("a")
+    assert restored.target == target and restored.lost == 3 and restored.adopted == 0
+    # What the new driver would save is what the old one saved.
+    again = adoption.capture("127.0.0.1", 4242, new_reg, {}, restored.target, False, new_hosts, counters)
+    assert dataclass_without_time(again) == dataclass_without_time(state)
+
+
+def dataclass_without_time(state: JobState) -> JobState:
+    import dataclasses
+    return dataclasses.replace(state, saved_at=0.0,
+                               blacklist=tuple(dataclasses.replace(b, remaining=None) for b in state.blacklist))
+
+
+def test_unreadable_state_is_a_new_job(tmp_path, caplog):
+    directory = StateDir(tmp_path)
+    directory.lock()
+    (tmp_path / "state.json").write_text("{not json")
+    assert directory.load() is None
+    assert "cannot be read" in caplog.text
+
+
+def test_second_lock_on_a_state_dir_is_refused_in_one_line(tmp_path):
+    first = StateDir(tmp_path)
+    first.lock()
+    with pytest.raises(ConfigError, match=rf"--state-dir {tmp_path}: another driver \(pid {os.getpid()}\) runs this job"):
+        StateDir(tmp_path).lock()
+    first.release()
+    StateDir(tmp_path).lock()  # free again once the holder is gone
+
+
+def test_secret_is_kept_with_mode_0600(tmp_path):
+    directory = StateDir(tmp_path)
+    secret = directory.secret()
+    assert len(secret) == 64 and directory.secret() == secret
+    assert stat.S_IMODE((tmp_path / "secret").stat().st_mode) == 0o600
+    directory.clear()
+    assert directory.secret() != secret  # a new job, a new secret
+
+
+def test_writer_saves_the_newest_state_and_touches_alive(tmp_path):
+    directory = StateDir(tmp_path)
+    reg, hosts, target, procs = a_job(tmp_path)
+    states = [adoption.capture("h", port, reg, procs, target, False, hosts, adoption.Counters(0, (), (), (), (), ()))
+              for port in (1, 2, 3)]
+    writer = StateWriter(directory)
+    writer.start()
+    for s in states:
+        writer.submit(s)
+    writer.close()
+    assert directory.load() == states[-1]
+    assert directory.last_alive() is not None
+
+
+# ----- workers under keepers --------------------------------------------------------------
+
+TRAIN = r"""
+import os, sys, time
+fd = int(os.environ["LIGHTNING_ELASTIC_SECRET_FD"])
+print("secret", os.read(fd, 100).decode(), flush=True)
+print("pid", os.getpid(), flush=True)
+for i in range(int(sys.argv[1])):
+    print("line", i, flush=True)
+    time.sleep(0.02)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def spec(tmp_path, *args: str) -> WorkerSpec:
+    return WorkerSpec("h[0]#0", "h", (sys.executable, "-c", TRAIN, *args), {}, "s3cret", str(tmp_path))
+
+
+def test_keeper_reports_the_workers_exit_and_output_is_followed(tmp_path):
+    directory = StateDir(tmp_path / "state")
+    directory.lock()
+    out = io.StringIO()
+    proc = DetachedLauncher(directory, out).start(spec(tmp_path, "3", "7"), lambda: "[0] ")
+    assert proc.wait(BOUND) == 7  # the worker's status, through its keeper's file
+    proc.finish_output(BOUND)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[0] secret s3cret"
+    assert lines[2:] == ["[0] line 0", "[0] line 1", "[0] line 2"]
+
+
+def test_worker_outlives_the_driver_and_is_adopted_with_its_status(tmp_path):
+    """The real thing in one process tree: a 'driver' that starts a worker and is SIGKILLed."""
+    state = tmp_path / "state"
+    driver = subprocess.Popen([sys.executable, "-c", f"""
+import io, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from tests.unit.test_state_dir import spec
+from lightning_elastic.launcher.state_dir import StateDir
+from lightning_elastic.launcher.processes.detached import DetachedLauncher
+from pathlib import Path
+d = StateDir(Path({str(state)!r})); d.lock()
+proc = DetachedLauncher(d, io.StringIO()).start(spec(Path({str(tmp_path)!r}), "150", "0"), lambda: "")
+print(proc.pid, proc.ticks, flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    keeper_pid, ticks = map(int, driver.stdout.readline().split())
+    directory = StateDir(state)
+    offset = directory.worker_file("h[0]#0", "offset")
+    wait_until(lambda: offset.exists() and int(offset.read_text() or 0) > 0, "the driver to forward some output")
+    driver.kill()
+    driver.wait(BOUND)
+    directory.lock()  # the dead driver's lock went with it
+    assert is_running(keeper_pid, ticks), "the worker died with its driver"
+    out = io.StringIO()
+    entry = WorkerEntry("h[0]#0", "h", 0, keeper_pid, ticks, True, False)
+    proc = DetachedLauncher(directory, out).adopt(entry, lambda: "> ")
+    assert proc.pid == keeper_pid
+    assert proc.wait(10) == 0
+    proc.finish_output(BOUND)
+    shown = out.getvalue().splitlines()
+    assert shown and shown[-1] == "> line 149"
+    assert "> secret s3cret" not in shown  # resumed where the dead driver had got to
+    # A pid that is not the same process any more (another start time) is not adopted.
+    assert isinstance(DetachedLauncher(directory).adopt(
+        WorkerEntry("h[0]#9", "h", 0, os.getpid(), 1, True, False), lambda: ""), LostProcess)
+
+
+def test_sigterm_reaches_the_worker_not_the_keeper(tmp_path):
+    directory = StateDir(tmp_path / "state")
+    directory.lock()
+    proc = DetachedLauncher(directory, io.StringIO()).start(spec(tmp_path, "1000", "0"), lambda: "")
+    wait_until(lambda: "line 1" in directory.worker_file("h[0]#0", "log").read_text(), "the worker to start")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(BOUND) == -signal.SIGTERM
