@@ -173,3 +173,20 @@ class StateKeeping:
         self.writer.close()
         if job_over:
             self.dir.clear()
+
+
+class AdoptionWatch:
+    """Until every adopted worker has reached the new driver (a heartbeat or any request
+    since the adoption): then how long that took from the driver's start."""
+
+    def __init__(self, records: list[WorkerRecord], adopted_at: float, driver_started: float) -> None:
+        self._pending = list(records)
+        self._adopted_at = adopted_at
+        self._driver_started = driver_started
+
+    def check(self, now: float) -> float | None:
+        """Seconds from the driver's start to the last adopted worker's arrival, once all have
+        arrived (or ended); else None. O(workers not yet arrived): asked every tick until then."""
+        self._pending = [r for r in self._pending if not r.state.finished
+                         and (r.last_heartbeat is None or r.last_heartbeat <= self._adopted_at)]
+        return None if self._pending else now - self._driver_started

@@ -134,6 +134,7 @@ class Driver:
         self._adopting = keeping is not None and keeping.previous is not None
         self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
         self._outages: list[str] = []
+        self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
         self._server: RendezvousServer | None = None
         self._processes: dict[str, WorkerProcess] = {}
         self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
@@ -288,6 +289,8 @@ class Driver:
                 if self._stop_requested.is_set():
                     raise _Stop()
                 now = self._clock()
+                if self._adoption_watch is not None:
+                    self._adoption_progress(now)
                 changed = self._take_discovery()
                 changed = bool(self._hosts.tick()) or changed
                 changed = self._reap(now) or changed
@@ -668,8 +671,19 @@ class Driver:
                 f"worker(s) in round {round_number}" + (f", {restored.lost} lost" if restored.lost else ""))
         self._outages = [*state.outages, line]
         log.info("Adopting the job in %s: %s.", keeping.dir.path, line)
+        self._adoption_watch = adoption.AdoptionWatch(
+            [self._registry.workers[w.worker_id] for w in state.workers if restored.processes.get(w.worker_id)
+             and restored.processes[w.worker_id].pid], self._clock(), self._started_at)
+        self._events.resume(round_number)
         self._events.emit("driver_restarted", outage_s=round(keeping.outage, 3), adopted=restored.adopted,
                           lost=restored.lost, round=round_number)
+
+    def _adoption_progress(self, now: float) -> None:
+        took = self._adoption_watch.check(now)  # type: ignore[union-attr]
+        if took is not None:
+            self._adoption_watch = None
+            log.info("Every adopted worker reached this driver %.2f s after its start.", took)
+            self._events.emit("workers_adopted", after_s=round(took, 3))
 
     # ----- decisions ------------------------------------------------------------------
 

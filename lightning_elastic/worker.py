@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
-from lightning_elastic.client import RETRY_FOR, DriverClient, first_request_spread, heartbeat_hold
+from lightning_elastic.client import RETRY_FOR, DriverClient, backoff, first_request_spread, heartbeat_hold
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
@@ -509,6 +509,7 @@ class ElasticWorker:
         last_ok = time.monotonic()
         interval = self.settings.heartbeat_interval
         first = True
+        failures = 0  # in a row
         while not self._heartbeat_stop.is_set():
             try:
                 with self._lock:
@@ -532,8 +533,12 @@ class ElasticWorker:
                     print(f"lightning-elastic: driver unreachable for {lost_after:g} s: exiting",
                           file=sys.stderr, flush=True)
                     os._exit(1)
-                self._heartbeat_stop.wait(interval)
+                # Retried at a random point of a growing bound, at most the interval: a
+                # restarted driver is found again within a second, by a fleet not all at once.
+                self._heartbeat_stop.wait(min(interval, backoff(failures)))
+                failures += 1
                 continue
+            failures = 0
             last_ok = time.monotonic()
             with self._lock:
                 self._seen_generation = max(self._seen_generation, reply.generation)

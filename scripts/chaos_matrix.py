@@ -70,7 +70,7 @@ CASES: list[tuple[str, str, str, str, str]] = [
     ("test_elastic_launch.py::test_driver_signal_stops_every_worker[2]", "loop",
      "SIGINT to the driver", "failure: interrupted; every worker stopped", "no process left"),
     ("test_elastic_launch.py::test_driver_sigkill_takes_workers_down", "loop",
-     "SIGKILL to the driver", "every worker dies with it", "no process left"),
+     "SIGKILL to the driver (no `--state-dir`)", "every worker dies with it", "no process left"),
     ("test_broken_stdout.py::test_job_succeeds_after_the_stdout_reader_goes_away", "loop",
      "`\\| head -n 5` on the driver's output", "success; workers drained; logs complete", "no process left"),
     ("test_broken_stdout.py::test_job_status_survives_stdout_and_stderr_going_away", "loop",
@@ -110,6 +110,16 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "SIGKILL to the driver", "no worker left on any host", "no process left"),
     ("test_multi_machine.py::test_driver_killed_or_stopped_leaves_no_worker_on_any_host[15]", "machines",
      "SIGTERM to the driver", "failure: interrupted; no worker left on any host", "no process left"),
+    ("test_driver_restart.py::test_restarted_driver_adopts_the_running_workers", "loop",
+     "`--state-dir`: SIGKILL to the driver, the same command again 3 s later; a second driver meanwhile",
+     "success in the same round (world sizes 2); the second driver refused (2)",
+     f"{SAME}, no step run twice, steps during the outage, {EO}, outage in summary and events"),
+    ("test_driver_restart.py::test_worker_lost_during_the_outage_is_recovered_from_once_the_driver_is_back",
+     "loop", "`--state-dir`: SIGKILL to the driver, then to a worker, the driver started again",
+     "success at 2 -> 1: one recovery, from a commit", EO),
+    ("test_driver_restart.py::test_workers_exit_when_no_driver_comes_back_within_the_patience", "loop",
+     "`--state-dir --driver-patience 4`: SIGKILL to the driver, never restarted",
+     "every worker exits after the patience", "no process left"),
 ]
 
 

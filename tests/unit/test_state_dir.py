@@ -207,3 +207,35 @@ def test_sigterm_reaches_the_worker_not_the_keeper(tmp_path):
     wait_until(lambda: "line 1" in directory.worker_file("h[0]#0", "log").read_text(), "the worker to start")
     proc.signal(signal.SIGTERM)
     assert proc.wait(BOUND) == -signal.SIGTERM
+
+
+# ----- options ----------------------------------------------------------------------------
+
+
+def test_state_dir_and_patience_from_the_command_line_or_the_environment(tmp_path):
+    from lightning_elastic.launcher.cli import config_from_args, parse_args
+
+    given = config_from_args(parse_args(["launch", "--state-dir", str(tmp_path), "--driver-patience", "7", "true"], {}))
+    from_env = config_from_args(parse_args(["launch", "true"], {"LIGHTNING_ELASTIC_STATE_DIR": str(tmp_path),
+                                                                "LIGHTNING_ELASTIC_DRIVER_PATIENCE": "7"}))
+    assert (given.state_dir, given.driver_patience) == (from_env.state_dir, from_env.driver_patience) == (tmp_path, 7.0)
+    assert config_from_args(parse_args(["launch", "true"], {})).state_dir is None
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_patience_that_is_not_a_positive_number_is_refused(value):
+    from lightning_elastic.launcher.cli import config_from_args, parse_args
+
+    with pytest.raises(ConfigError, match=f"--driver-patience: expected a positive number of seconds, got {value}"):
+        config_from_args(parse_args(["launch", "--driver-patience", value, "true"], {}))
+
+
+def test_a_worker_waits_for_its_driver_for_the_patience():
+    from lightning_elastic.worker import WorkerSettings
+
+    base = dict(driver_url="http://x", secret="s", worker_id="w", hostname="h", heartbeat_interval=1.0,
+                heartbeat_timeout=10.0, elastic_timeout=600.0, lost_member_wait=5.0, process_group_timeout=60.0,
+                preemption_grace=30.0)
+    assert WorkerSettings(**base).driver_lost_after == 20.0  # without --state-dir: as before
+    assert WorkerSettings(**base, driver_patience=120.0).driver_lost_after == 120.0
+    assert WorkerSettings(**base, driver_patience=120.0).client()._retry_for == 120.0

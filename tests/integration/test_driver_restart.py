@@ -1,0 +1,135 @@
+"""--state-dir: the driver SIGKILLed mid-run, local workers training on, a restarted driver adopting them.
+
+Real launches of the example loop on loopback hosts; the driver is killed with SIGKILL and
+started again with the same command, as systemd or a Kubernetes Deployment would.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
+
+pytestmark = pytest.mark.integration
+
+H1, H2 = "127.0.0.1:1", "127.0.0.2:1"
+STEADY = ["--step-delay", "0.05", "--samples", "192", "--batch-size", "8", "--commit-every", "2"]
+
+
+def restart_args(job: Job, *extra: str) -> list[str]:
+    return ["--host-discovery-script", str(job.discovery_script()), "--discovery-interval", "0.2",
+            "--state-dir", str(job.dir / "state"), "--log-dir", str(job.dir / "logs"), *extra]
+
+
+def kill_driver(job: Job) -> None:
+    """SIGKILL the driver alone (its workers are in sessions of their own)."""
+    assert job.proc is not None
+    job.proc.kill()
+    job.proc.wait(30)
+
+
+def start_again(job: Job, name: str, launch_args: list[str], example_args: list[str]) -> None:
+    """The same command once more, its output in files of its own."""
+    job.stdout_path = job.dir / f"{name}.out"
+    job.stderr_path = job.dir / f"{name}.err"
+    job.start(launch_args, example_args)
+
+
+def max_step(job: Job) -> int:
+    return max((e["step"] for e in job.events("step")), default=0)
+
+
+def driver_events(job: Job) -> list[dict]:
+    path = job.dir / "logs" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_restarted_driver_adopts_the_running_workers(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    args, example = restart_args(job, "-np", "2"), [*STEADY, "--epochs", "6"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    assert len(pids) == 2
+
+    # A second driver on the same state dir refuses, in one line, and changes nothing.
+    second = subprocess.run([str(job.launcher), "launch", *args, "true"], cwd=job.dir, capture_output=True,
+                            text=True, timeout=60)
+    assert second.returncode == 2, second.stderr
+    assert second.stderr.strip().splitlines()[-1].startswith(
+        f"lightning-elastic: error: --state-dir {job.dir / 'state'}: another driver (pid {job.proc.pid}) runs this job")
+
+    kill_driver(job)
+    killed_at = max_step(job)
+    # The workers train on without a driver: collectives are peer to peer.
+    wait_for(lambda: max_step(job) >= killed_at + 10, 30, "steps while no driver runs")
+    assert all(_alive(pid) for pid in pids), "a worker died with its driver"
+    time.sleep(3)  # a restart delay, as systemd's RestartSec: the outage is the subject here
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+
+    err = job.stderr()
+    assert "Adopting the job in" in err
+    assert "driver outages: 1" in err
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids  # the same worker processes finished
+    for pid in pids:  # no step ran twice in a worker
+        steps = [e["step"] for e in job.events("step") if e["pid"] == pid]
+        assert len(steps) == len(set(steps)) and steps == sorted(steps)
+    assert_epochs_complete(job, 6)
+    assert_replicas_identical(job)
+    restarted = [e for e in driver_events(job) if e["kind"] == "driver_restarted"]
+    assert len(restarted) == 1 and restarted[0]["adopted"] == 2 and restarted[0]["outage_s"] >= 3
+    assert [e["kind"] for e in driver_events(job)].count("job_started") == 1
+    assert not (job.dir / "state" / "state.json").exists(), "the ended job left a state to adopt"
+
+
+def test_worker_lost_during_the_outage_is_recovered_from_once_the_driver_is_back(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    args, example = restart_args(job, "-np", "2", "--min-np", "1"), [*STEADY, "--epochs", "4"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    kill_driver(job)
+    os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "was killed by SIGKILL" in err
+    assert job.world_sizes() == [2, 1]
+    breaks = [e for e in driver_events(job) if e["kind"] == "round_broken"]
+    assert len(breaks) == 1, breaks
+    synced = [e for e in job.events("synced") if e["round"] == 2]
+    assert len(synced) == 1 and synced[0]["step"] % 2 == 0  # restored from a commit
+    assert_epochs_complete(job, 4)
+
+
+def test_workers_exit_when_no_driver_comes_back_within_the_patience(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    job.start(restart_args(job, "-np", "2", "--driver-patience", "4", "--heartbeat-timeout", "2"),
+              [*STEADY, "--epochs", "50"])
+    job.wait_rounds(1)
+    job.wait_steps(2)
+    kill_driver(job)
+    gone_at = time.monotonic()
+    wait_for(lambda: not job.stray_processes(), 30, "every worker (and its keeper) to exit")
+    assert time.monotonic() - gone_at >= 3, "the workers did not wait for a driver"
+    logs = "".join(p.read_text() for p in (job.dir / "state" / "workers").glob("*.log"))
+    assert "driver unreachable for 4 s: exiting" in logs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
