@@ -29,7 +29,7 @@ from lightning_elastic.launcher.state_dir import (
     TargetEntry,
     WorkerEntry,
 )
-from lightning_elastic.protocol import Assignment, Outcome, Report
+from lightning_elastic.protocol import Outcome, Report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def capture(
             start_ticks=ticks,
             joined=record.joined,
             member=registry.current_member(record),
-            assignment=dataclasses.asdict(record.assignment) if record.assignment else None,
+            assignment=record.assignment,  # immutable: shared, serialized by the writer thread
             reported=report.outcome.value if report else "",
             reported_round=report.round if report else 0,
             report_message=report.message if report else "",
@@ -106,8 +106,8 @@ def capture(
 class Restored:
     processes: dict[str, WorkerProcess]
     target: list[SlotAssignment]
-    adopted: int  # workers found running (or ended with a status)
-    lost: int  # workers that could not be found again
+    adopted: int  # workers found running
+    ended: int  # workers that ended while no driver ran (reaped as usual, failures included)
 
 
 def restore(
@@ -120,15 +120,14 @@ def restore(
     """Give ``registry`` and ``hosts`` the previous driver's job, and find its workers'
     processes again through ``adopt`` (driver lock held, before the service starts)."""
     processes: dict[str, WorkerProcess] = {}
-    adopted = lost = 0
+    adopted = ended = 0
     for w in state.workers:
         record = registry.add_worker(w.worker_id, SlotKey(w.host, w.local_rank))
         record.joined = w.joined
         record.leave = w.leave
         # Its heartbeat deadline starts now (a worker that never joined gets its start-up bound).
         record.last_heartbeat = record.started_at if w.joined else None
-        if w.assignment is not None:
-            record.assignment = Assignment(**w.assignment)
+        record.assignment = w.assignment
         if w.member:
             record.state = WorkerState.MEMBER
         if w.reported:
@@ -138,10 +137,10 @@ def restore(
             continue  # no process to find: it has been reaped
         proc = adopt(w, prefix_for(record))
         processes[w.worker_id] = proc
-        if proc.pid:
+        if proc.poll() is None:
             adopted += 1
         else:
-            lost += 1
+            ended += 1
     registry.generation = state.generation
     registry.broken_rounds = set(state.broken_rounds)
     if state.round is not None:
@@ -151,7 +150,7 @@ def restore(
     hosts.restore_blacklist([(b.host, b.local_rank, b.count, b.remaining) for b in state.blacklist])
     target = [SlotAssignment(SlotKey(t.host, t.local_rank), t.rank, t.size, t.local_size, t.cross_rank, t.cross_size)
               for t in state.target]
-    return Restored(processes, target, adopted, lost)
+    return Restored(processes, target, adopted, ended)
 
 
 class StateKeeping:

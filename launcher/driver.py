@@ -295,12 +295,14 @@ class Driver:
                 changed = bool(self._hosts.tick()) or changed
                 changed = self._reap(now) or changed
                 if changed or reg.changes != seen or (now >= next_pass and self._timers_pending(now)):
+                    dirty = changed or reg.changes != seen
                     seen = reg.changes
                     next_pass = now + decide_every
                     verdict = self._decide(now)
                     if verdict is not None:
                         return verdict
-                    self._save_state()
+                    if dirty or reg.changes != seen:  # not after a pass on a timer alone
+                        self._save_state()
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
@@ -668,15 +670,16 @@ class Driver:
         self._departures = list(state.departures)
         round_number = state.round.number if state.round else 0
         line = (f"driver restarted after {keeping.outage:.1f} s without one: adopted {restored.adopted} "
-                f"worker(s) in round {round_number}" + (f", {restored.lost} lost" if restored.lost else ""))
+                f"worker(s) in round {round_number}"
+                + (f"; {restored.ended} ended while no driver ran" if restored.ended else ""))
         self._outages = [*state.outages, line]
         log.info("Adopting the job in %s: %s.", keeping.dir.path, line)
         self._adoption_watch = adoption.AdoptionWatch(
-            [self._registry.workers[w.worker_id] for w in state.workers if restored.processes.get(w.worker_id)
-             and restored.processes[w.worker_id].pid], self._clock(), self._started_at)
+            [self._registry.workers[w] for w, proc in restored.processes.items() if proc.poll() is None],
+            self._clock(), self._started_at)
         self._events.resume(round_number)
         self._events.emit("driver_restarted", outage_s=round(keeping.outage, 3), adopted=restored.adopted,
-                          lost=restored.lost, round=round_number)
+                          ended=restored.ended, round=round_number)
 
     def _adoption_progress(self, now: float) -> None:
         took = self._adoption_watch.check(now)  # type: ignore[union-attr]

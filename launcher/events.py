@@ -20,7 +20,7 @@ come from their own clocks, and the driver's monotonic clock means nothing to th
 ``recovery``        ``round``, ``after`` (``"fault"`` or ``"host change"``), ``since``,
                     ``duration_s``: from the fault (the round breaking) or the
                     announcement to the new round's first step
-``driver_restarted``  ``outage_s``, ``adopted``, ``lost``, ``round`` (``--state-dir``: a
+``driver_restarted``  ``outage_s``, ``adopted``, ``ended``, ``round`` (``--state-dir``: a
                     new driver took the job over after that long without one)
 ``workers_adopted``  ``after_s``: from the new driver's start until every adopted
                     worker had reached it

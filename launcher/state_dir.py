@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.protocol import Assignment
 
 log = logging.getLogger("lightning_elastic.driver")
 
@@ -53,7 +54,7 @@ class WorkerEntry:
     start_ticks: int  # the keeper's start time (/proc/PID/stat field 22): a reused pid differs
     joined: bool
     member: bool  # a member of the current round (its assignment below is current)
-    assignment: dict[str, Any] | None = None  # protocol.Assignment fields
+    assignment: Assignment | None = None
     reported: str = ""  # the outcome it reported ("done", "removed", "failed"), if any
     reported_round: int = 0
     report_message: str = ""
@@ -110,7 +111,14 @@ class JobState:
     saved_at: float  # wall clock
 
     def to_json(self) -> str:
-        return json.dumps({"version": STATE_VERSION, **dataclasses.asdict(self)}, separators=(",", ":"))
+        """By hand, not ``dataclasses.asdict`` (which deep-copies): 4,096 workers in ~0.1 s."""
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        raw["round"] = _flat(self.round) if self.round else None
+        raw["workers"] = [{**_flat(w), "assignment": _flat(w.assignment) if w.assignment else None}
+                          for w in self.workers]
+        for key in ("target", "blacklist"):
+            raw[key] = [_flat(x) for x in raw[key]]
+        return json.dumps({"version": STATE_VERSION, **raw}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> JobState:
@@ -118,12 +126,19 @@ class JobState:
         if not isinstance(raw, dict) or raw.pop("version", None) != STATE_VERSION:
             raise ValueError(f"not a version {STATE_VERSION} job state")
         raw["round"] = RoundEntry(**{**raw["round"], "members": tuple(raw["round"]["members"])}) if raw["round"] else None
-        raw["workers"] = tuple(WorkerEntry(**w) for w in raw["workers"])
+        raw["workers"] = tuple(
+            WorkerEntry(**{**w, "assignment": Assignment(**w["assignment"]) if w["assignment"] else None})
+            for w in raw["workers"])
         raw["target"] = tuple(TargetEntry(**t) for t in raw["target"])
         raw["blacklist"] = tuple(BlacklistEntry(**b) for b in raw["blacklist"])
         for key in ("broken_rounds", "rounds", "failures", "blacklisted", "departures", "outages"):
             raw[key] = tuple(raw[key])
         return cls(**raw)
+
+
+def _flat(item: Any) -> dict[str, Any]:
+    """A flat dataclass's fields (shallow: its values are plain)."""
+    return dict(item.__dict__)
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:

@@ -81,7 +81,7 @@ def test_restore_gives_a_new_driver_the_same_job(tmp_path):
         assert (again.slot, again.state, again.assignment, again.report) == \
                (record.slot, record.state, record.assignment, record.report)
     assert new_hosts.is_blacklisted("b") and not new_hosts.is_blacklisted("a")
-    assert restored.target == target and restored.lost == 3 and restored.adopted == 0
+    assert restored.target == target and restored.ended == 3 and restored.adopted == 0
     # What the new driver would save is what the old one saved.
     again = adoption.capture("127.0.0.1", 4242, new_reg, {}, restored.target, False, new_hosts, counters)
     assert dataclass_without_time(again) == dataclass_without_time(state)
