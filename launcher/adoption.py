@@ -19,7 +19,6 @@ from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
 from lightning_elastic.launcher.processes.base import WorkerProcess
 from lightning_elastic.launcher.registry import Registry, RoundInfo, WorkerRecord, WorkerState
-from lightning_elastic.launcher.processes.detached import DetachedLauncher
 from lightning_elastic.launcher.state_dir import (
     BlacklistEntry,
     JobState,
@@ -62,14 +61,15 @@ def capture(
     workers = []
     for record in records:
         proc = processes.get(record.worker_id)
-        ticks = getattr(proc, "ticks", 0)  # only a DetachedProcess can be adopted
+        # (pid, start ticks) of what outlives the driver; None: nothing can be adopted.
+        pid, ticks = getattr(proc, "adoptable", None) or (0, 0)
         log_file = getattr(proc, "log_file", None)
         report = record.report
         workers.append(WorkerEntry(
             worker_id=record.worker_id,
             host=record.slot.host,
             local_rank=record.slot.local_rank,
-            pid=proc.pid if proc is not None and ticks else 0,
+            pid=pid,
             start_ticks=ticks,
             joined=record.joined,
             member=registry.current_member(record),
@@ -157,9 +157,11 @@ class StateKeeping:
     """One driver's ``--state-dir``: the locked directory, the job it adopts (if any), and
     the writer that keeps the state there while the job runs."""
 
-    def __init__(self, state_dir: StateDir, launcher: DetachedLauncher) -> None:
+    def __init__(self, state_dir: StateDir,
+                 adopt: Callable[[WorkerEntry, Callable[[], str]], WorkerProcess] | None = None) -> None:
         self.dir = state_dir
-        self.launcher = launcher
+        # Finds a worker of the previous driver again: its launcher's ``adopt`` (local or ssh).
+        self.adopt = adopt
         self.previous = state_dir.load()  # the job to adopt; None: a new job
         self.secret = state_dir.secret()
         last = state_dir.last_alive()

@@ -659,7 +659,7 @@ class Driver:
                      state.address, self._address)
         self._address = state.address
         with self._registry.cond:
-            restored = adoption.restore(state, self._registry, self._hosts, keeping.launcher.adopt, _prefix_of)
+            restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of)  # type: ignore[arg-type]
         self._processes.update(restored.processes)
         self._target = restored.target
         self._announced_for = membership.slots_of(self._target) if state.announced else None
@@ -905,7 +905,7 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
 
 def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | None) -> JobResult:
     sink = OutputSink(out)  # one for every worker's output: a broken stdout is said once
-    keeping = adoption.StateKeeping(state_dir, DetachedLauncher(state_dir, sink)) if state_dir else None
+    keeping = adoption.StateKeeping(state_dir) if state_dir else None
     # An adopted job goes on writing its --log-dir: its timeline continues.
     if config.log_dir is not None and not (keeping and keeping.previous):
         moved = prepare_log_dir(config.log_dir)
@@ -918,8 +918,13 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
             result = run_driver(Driver(backend.config, backend.nodes, backend.launcher, backend.nodes.is_local))
     else:
         classifier = HostClassifier()
-        local = keeping.launcher if keeping is not None else LocalLauncher(sink)  # outlives the driver, or not
-        router = HostRouter(local, SshLauncher(config.ssh, sink), classifier.is_local)
+        ssh = SshLauncher(config.ssh, sink, state_dir)
+        if keeping is not None:  # workers that outlive the driver, and finding them again
+            local: WorkerLauncher = DetachedLauncher(state_dir, sink)  # type: ignore[arg-type]
+            keeping.adopt = lambda entry, prefix: (local if classifier.is_local(entry.host) else ssh).adopt(entry, prefix)  # type: ignore[attr-defined]
+        else:
+            local = LocalLauncher(sink)
+        router = HostRouter(local, ssh, classifier.is_local)
         result = run_driver(Driver(config, make_discovery(config), router, classifier.is_local,
                                    resolves=classifier.resolves, keeping=keeping))
     if result.refused:

@@ -136,6 +136,11 @@ class JobState:
         return cls(**raw)
 
 
+def safe_name(worker_id: str) -> str:
+    """A worker id as a file name (ids stay unique: they end in their own number)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", worker_id)
+
+
 def _flat(item: Any) -> dict[str, Any]:
     """A flat dataclass's fields (shallow: its values are plain)."""
     return dict(item.__dict__)
@@ -223,8 +228,8 @@ class StateDir:
             return None
 
     def worker_file(self, worker_id: str, suffix: str) -> Path:
-        """``workers/<id>.<suffix>``, the id made a safe file name (ids are unique by their number)."""
-        return self.workers / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', worker_id)}.{suffix}"
+        """``workers/<id>.<suffix>``, the id made a safe file name."""
+        return self.workers / f"{safe_name(worker_id)}.{suffix}"
 
     def clear(self) -> None:
         """The job has ended: nothing is left to adopt (the secret goes too: a new job, a new one)."""

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.network import collective_interface_env
@@ -62,9 +63,10 @@ class FollowFile:
     the next one show a few lines twice, never lose them.
     """
 
-    def __init__(self, path: Path, offset_path: Path, ended: Callable[[], bool], offset: int = 0) -> None:
+    def __init__(self, path: Path, offset_path: Path | None, ended: Callable[[], bool], offset: int = 0) -> None:
         self._fd = os.open(path, os.O_RDONLY)
-        self._offset_fd = os.open(offset_path, os.O_RDWR | os.O_CREAT, 0o644)
+        # None: the reader keeps the offset (the ssh supervisor: its driver counts what arrives).
+        self._offset_fd = os.open(offset_path, os.O_RDWR | os.O_CREAT, 0o644) if offset_path else -1
         self._offset = offset
         self._handed = offset
         self._ended = ended
@@ -73,8 +75,9 @@ class FollowFile:
     def read1(self, size: int) -> bytes:
         if self._handed != self._offset:
             self._offset = self._handed
-            with contextlib.suppress(OSError):
-                os.pwrite(self._offset_fd, f"{self._offset:020d}\n".encode(), 0)
+            if self._offset_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.pwrite(self._offset_fd, f"{self._offset:020d}\n".encode(), 0)
         while True:
             data = os.read(self._fd, size)
             if not data and self._ended():
@@ -88,8 +91,36 @@ class FollowFile:
 
     def close(self) -> None:
         for fd in (self._fd, self._offset_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+class CountingStream:
+    """A pipe read like ``FollowFile``, saving how far its bytes were forwarded: an ssh
+    supervisor's stdout, which relays the worker's file from ``base()`` on (None until the
+    supervisor has said where it started)."""
+
+    def __init__(self, stream: IO[bytes], offset_path: Path, base: Callable[[], int | None]) -> None:
+        self._stream = stream
+        self._offset_path = offset_path
+        self._base = base
+        self._handed = 0
+        self._saved = -1
+
+    def read1(self, size: int) -> bytes:
+        base = self._base()
+        if base is not None and base + self._handed != self._saved:
+            self._saved = base + self._handed
             with contextlib.suppress(OSError):
-                os.close(fd)
+                self._offset_path.write_text(f"{self._saved}\n")
+        data = self._stream.read1(size)  # type: ignore[attr-defined]
+        self._handed += len(data)
+        return data
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.close()
 
 
 def read_offset(path: Path) -> int:
@@ -115,6 +146,11 @@ class DetachedProcess:
     @property
     def pid(self) -> int:
         return self._pid
+
+    @property
+    def adoptable(self) -> tuple[int, int]:
+        """(pid, start ticks) a restarted driver finds it by."""
+        return self._pid, self.ticks
 
     def follow(self, forwarder: LineForwarder) -> None:
         self._forwarder = forwarder

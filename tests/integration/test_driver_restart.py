@@ -139,3 +139,31 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+@pytest.mark.remote
+def test_restarted_driver_reattaches_to_workers_on_other_machines(job: Job, hosts) -> None:
+    """Over ssh: the connections close with the driver, the supervisors leave their workers
+    running, and the restarted driver re-attaches (output, signals, exit status)."""
+    h1, h2 = hosts.names[:2]
+    args = [*hosts.ssh_args, "-H", f"{h1}:1,{h2}:1", "-np", "2", "--state-dir", str(job.dir / "state"),
+            "--log-dir", str(job.dir / "logs")]
+    example = [*STEADY, "--epochs", "8"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    kill_driver(job)
+    killed_at = max_step(job)
+    wait_for(lambda: max_step(job) >= killed_at + 10, 30, "steps while no driver runs")
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids
+    for pid in pids:
+        steps = [e["step"] for e in job.events("step") if e["pid"] == pid]
+        assert len(steps) == len(set(steps))
+    assert_epochs_complete(job, 8)
+    # The output each worker wrote while no driver ran reached the new driver's stdout.
+    assert "training finished" in (job.dir / "restart.out").read_text()

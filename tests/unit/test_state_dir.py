@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import stat
@@ -239,3 +240,50 @@ def test_a_worker_waits_for_its_driver_for_the_patience():
     assert WorkerSettings(**base).driver_lost_after == 20.0  # without --state-dir: as before
     assert WorkerSettings(**base, driver_patience=120.0).driver_lost_after == 120.0
     assert WorkerSettings(**base, driver_patience=120.0).client()._retry_for == 120.0
+
+
+# ----- the ssh supervisor with --state-dir (run here as a local subprocess, no ssh) ---------
+
+
+def supervisor(message: dict) -> tuple[subprocess.Popen, "LineReader", "LineReader"]:
+    from tests.unit.proc_tools import LineReader
+
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_elastic.launcher.processes.supervisor"], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(json.dumps(message).encode() + b"\n")
+    proc.stdin.flush()
+    return proc, LineReader(proc.stdout), LineReader(proc.stderr)
+
+
+def test_a_detached_remote_worker_outlives_its_connection_and_is_reattached(tmp_path):
+    from lightning_elastic.launcher.processes.supervisor import MARK
+
+    remote = str(tmp_path / "remote")
+    first, out, err = supervisor({
+        "command": [sys.executable, "-c", TRAIN, "60", "3"], "env": {}, "cwd": str(tmp_path), "secret": "s3cret",
+        "secret_fd_variable": "LIGHTNING_ELASTIC_SECRET_FD", "detach": {"dir": remote, "name": "w1"}})
+    started = err.next()
+    assert started.startswith(f"{MARK} started "), started
+    pid, ticks, offset = map(int, started.split()[-3:])
+    assert offset == 0
+    assert out.next() == "secret s3cret"
+    seen = [out.next(), out.next()]  # "pid N", "line 0"
+    first.stdin.close()  # the connection drops (the driver died)
+    assert first.wait(BOUND) == 0
+    assert is_running(pid, ticks), "the worker died with its connection"
+
+    relayed = len("".join(f"{line}\n" for line in ["secret s3cret", *seen]).encode())
+    again, out2, err2 = supervisor({"attach": {"dir": remote, "name": "w1", "pid": pid, "ticks": ticks,
+                                               "offset": relayed}})
+    assert err2.next() == f"{MARK} started {pid} {ticks} {relayed}"
+    assert out2.next() == "line 1"  # from where the first connection had got to
+    lines = []
+    while (line := out2.next(10)) is not None:
+        lines.append(line)
+    assert lines[-1] == "line 59"
+    assert err2.next() == f"{MARK} exit 3"
+    assert again.wait(BOUND) == 0
+    # A worker that is gone without a status is reported killed.
+    gone, _, err3 = supervisor({"attach": {"dir": remote, "name": "w9", "pid": os.getpid(), "ticks": 1, "offset": 0}})
+    assert err3.next() == f"{MARK} exit -9"
+    gone.wait(BOUND)
