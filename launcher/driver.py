@@ -51,7 +51,7 @@ from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
 from lightning_elastic.launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
 from lightning_elastic.launcher.rendezvous_server import RendezvousServer, limits_for, listen_queue_for
-from lightning_elastic.launcher.state_dir import StateDir
+from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry
 from lightning_elastic import protocol as p
 
 # Put first on the workers' PYTHONPATH: lightning_elastic/_autoload/sitecustomize.py.
@@ -890,7 +890,8 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
 
     Raises ConfigError only before any worker started: an input found invalid only here (a
     --log-dir that cannot be written, a Ray cluster that cannot be reached, an address or
-    port the driver cannot serve on, no host name that resolves).
+    port the driver cannot serve on, no host name that resolves, another driver holding
+    --state-dir).
     """
     state_dir = None
     if config.state_dir is not None:
@@ -920,8 +921,13 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
         classifier = HostClassifier()
         ssh = SshLauncher(config.ssh, sink, state_dir)
         if keeping is not None:  # workers that outlive the driver, and finding them again
-            local: WorkerLauncher = DetachedLauncher(state_dir, sink)  # type: ignore[arg-type]
-            keeping.adopt = lambda entry, prefix: (local if classifier.is_local(entry.host) else ssh).adopt(entry, prefix)  # type: ignore[attr-defined]
+            detached = DetachedLauncher(state_dir, sink)  # type: ignore[arg-type]
+            local: WorkerLauncher = detached
+
+            def adopt(entry: WorkerEntry, prefix: Callable[[], str]) -> WorkerProcess:
+                return (detached if classifier.is_local(entry.host) else ssh).adopt(entry, prefix)
+
+            keeping.adopt = adopt
         else:
             local = LocalLauncher(sink)
         router = HostRouter(local, ssh, classifier.is_local)

@@ -238,7 +238,7 @@ class DetachedLauncher:
         out_fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             offset = os.fstat(out_fd).st_size
-            command = (sys.executable, "-I", str(KEEPER), str(status), "--", *spec.command)
+            command = (sys.executable, "-I", str(KEEPER), str(status), ENV_SECRET_FD, "--", *spec.command)
             popen = spawn_worker(command, env, spec.secret, spec.cwd, out_fd, ENV_SECRET_FD, die_with_parent=False)
         except OSError as err:
             raise StartError(f"COMMAND: {program}: {err.strerror or err}") from None

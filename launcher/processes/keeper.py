@@ -1,4 +1,4 @@
-"""A local worker's keeper, with ``--state-dir``: ``python -I keeper.py STATUS -- COMMAND...``.
+"""A local worker's keeper, with ``--state-dir``: ``python -I keeper.py STATUS SECRET_FD_VARIABLE -- COMMAND...``.
 
 Without a state dir a local worker is the driver's child and dies with it. With one it must
 outlive the driver, yet a restarted driver must still learn how it ended, and a process
@@ -13,7 +13,7 @@ signal) atomically to the file STATUS, and exits.
   everything it started. The keeper ignores SIGTERM, SIGINT and SIGHUP itself (a handler,
   not SIG_IGN, which the worker would inherit) so that it stays to write the status; a
   SIGKILL of the group kills it too, and the worker with it (PR_SET_PDEATHSIG).
-- The secret: the pipe named by LIGHTNING_ELASTIC_SECRET_FD passes through to the worker.
+- The secret: the pipe named by the variable SECRET_FD_VARIABLE passes through to the worker.
 
 Standard library only, and run by its path with ``-I``: it imports nothing of ours (nor the
 workers' PYTHONPATH and its sitecustomize), so it starts in a few milliseconds.
@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 
-SECRET_FD_VARIABLE = "LIGHTNING_ELASTIC_SECRET_FD"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -46,13 +45,13 @@ def write_status(path: str, status: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--":
-        print("usage: keeper STATUS -- COMMAND...", file=sys.stderr)
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: keeper STATUS SECRET_FD_VARIABLE -- COMMAND...", file=sys.stderr)
         return 2
-    status_path, command = argv[0], argv[2:]
+    status_path, secret_fd_variable, command = argv[0], argv[1], argv[3:]
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda _s, _f: None)
-    fd_text = os.environ.get(SECRET_FD_VARIABLE, "")
+    fd_text = os.environ.get(secret_fd_variable, "")
     pass_fds = (int(fd_text),) if fd_text.isdigit() else ()
     try:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=pass_fds,

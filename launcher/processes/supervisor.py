@@ -147,9 +147,9 @@ def _relay(start: dict[str, Any], stdin: Any) -> int:
             return 2
         try:
             offset = os.fstat(out_fd).st_size
-            child = spawn_worker([sys.executable, "-I", str(KEEPER), str(status_path), "--", *start["command"]], env,
-                                 start["secret"], start["cwd"], out_fd, start["secret_fd_variable"],
-                                 die_with_parent=False)
+            fd_variable = start["secret_fd_variable"]
+            keeper = [sys.executable, "-I", str(KEEPER), str(status_path), fd_variable, "--", *start["command"]]
+            child = spawn_worker(keeper, env, start["secret"], start["cwd"], out_fd, fd_variable, die_with_parent=False)
         except OSError as err:
             _say(f"error cannot start {start['command'][0]!r}: {err}")
             return 127
