@@ -118,7 +118,7 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "loop", "`--state-dir`: SIGKILL to the driver, then to a worker, the driver started again",
      "success at 2 -> 1: one recovery, from a commit", EO),
     ("test_driver_restart.py::test_workers_exit_when_no_driver_comes_back_within_the_patience", "loop",
-     "`--state-dir --driver-patience 4`: SIGKILL to the driver, never restarted",
+     "`--state-dir --driver-patience 6`: SIGKILL to the driver, never restarted",
      "every worker exits after the patience", "no process left"),
 ]
 
