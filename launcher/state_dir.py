@@ -236,7 +236,8 @@ class StateDir:
         for name in ("state.json", "alive", "secret"):
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
-        for path in self.workers.glob("*"):
+        # remote/: ssh workers' files, here when the hosts share this directory.
+        for path in [*self.workers.glob("*"), *(self.path / "remote").glob("*")]:
             with contextlib.suppress(OSError):
                 path.unlink()
 

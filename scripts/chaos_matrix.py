@@ -120,6 +120,10 @@ CASES: list[tuple[str, str, str, str, str]] = [
     ("test_driver_restart.py::test_workers_exit_when_no_driver_comes_back_within_the_patience", "loop",
      "`--state-dir --driver-patience 6`: SIGKILL to the driver, never restarted",
      "every worker exits after the patience", "no process left"),
+    ("test_driver_restart.py::test_restarted_driver_reattaches_to_workers_on_other_machines", "machines",
+     "`--state-dir`: SIGKILL to the driver (its ssh connections close), the same command again",
+     "success in the same round on both hosts",
+     f"{SAME}, no step run twice, exactly once, output of the outage forwarded"),
 ]
 
 
