@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -19,10 +20,11 @@ from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import HostSlots, SlotAssignment, SlotKey
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.detached import DetachedLauncher, LostProcess, is_running
-from lightning_elastic.launcher.registry import Registry, WorkerState
+from lightning_elastic.launcher.processes.supervisor import MARK
+from lightning_elastic.launcher.registry import Registry
 from lightning_elastic.launcher.state_dir import JobState, StateDir, StateWriter, WorkerEntry
 from lightning_elastic.protocol import Outcome, Report
-from tests.unit.proc_tools import BOUND, REPO
+from tests.unit.proc_tools import BOUND, REPO, LineReader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +91,6 @@ def test_restore_gives_a_new_driver_the_same_job(tmp_path):
 
 
 def dataclass_without_time(state: JobState) -> JobState:
-    import dataclasses
     return dataclasses.replace(state, saved_at=0.0,
                                blacklist=tuple(dataclasses.replace(b, remaining=None) for b in state.blacklist))
 
@@ -245,9 +246,7 @@ def test_a_worker_waits_for_its_driver_for_the_patience():
 # ----- the ssh supervisor with --state-dir (run here as a local subprocess, no ssh) ---------
 
 
-def supervisor(message: dict) -> tuple[subprocess.Popen, "LineReader", "LineReader"]:
-    from tests.unit.proc_tools import LineReader
-
+def supervisor(message: dict) -> tuple[subprocess.Popen, LineReader, LineReader]:
     proc = subprocess.Popen([sys.executable, "-m", "lightning_elastic.launcher.processes.supervisor"], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdin.write(json.dumps(message).encode() + b"\n")
@@ -256,8 +255,6 @@ def supervisor(message: dict) -> tuple[subprocess.Popen, "LineReader", "LineRead
 
 
 def test_a_detached_remote_worker_outlives_its_connection_and_is_reattached(tmp_path):
-    from lightning_elastic.launcher.processes.supervisor import MARK
-
     remote = str(tmp_path / "remote")
     first, out, err = supervisor({
         "command": [sys.executable, "-c", TRAIN, "60", "3"], "env": {}, "cwd": str(tmp_path), "secret": "s3cret",
