@@ -8,7 +8,9 @@ and reports its exit status on stderr; see ``supervisor.py`` for that small prot
 
 The ssh client runs in BatchMode (never prompts), with a connect timeout and keep-alives,
 and dies with the driver (PR_SET_PDEATHSIG): the closed connection then makes the
-supervisor SIGKILL the worker, so no remote worker outlives the driver.
+supervisor SIGKILL the worker, so no remote worker outlives the driver. With
+``--state-dir`` the supervisor keeps its worker running instead, and a restarted driver
+re-attaches to it (``SshLauncher.adopt``).
 """
 
 from __future__ import annotations
