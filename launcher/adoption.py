@@ -12,6 +12,7 @@ adoption, as if it had just been started).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -153,6 +154,17 @@ def restore(
     return Restored(processes, target, adopted, ended)
 
 
+# How far a worker's clock may lag the driver's: an adopting driver accepts requests signed
+# this long before it started (in whole seconds, as requests are stamped). An outage longer
+# than about twice this leaves no request its predecessor saw acceptable.
+CLOCK_SKEW = 1.0
+
+
+def not_before(started: float) -> int:
+    """The oldest request timestamp an adopting driver started at ``started`` accepts."""
+    return math.floor(started - CLOCK_SKEW)
+
+
 class StateKeeping:
     """One driver's ``--state-dir``: the locked directory, the job it adopts (if any), and
     the writer that keeps the state there while the job runs."""
@@ -168,6 +180,7 @@ class StateKeeping:
         # How long no driver ran: since the previous one last touched ``alive``.
         self.outage = max(0.0, time.time() - last) if self.previous is not None and last is not None else 0.0
         self.writer = StateWriter(state_dir)
+        self.started = time.time()  # wall clock: compared with the workers' request timestamps
 
     def finish(self, job_over: bool) -> None:
         """The driver is exiting: with the job over, nothing is left to adopt."""

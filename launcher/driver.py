@@ -220,11 +220,13 @@ class Driver:
         which also serves the process-group store (see launcher/store_service.py)."""
         workers = self._config.max_np + self._config.spares
         port = self._config.port
+        not_before = None
         if self._adopting:  # where the adopted workers look for their driver
             port = self._keeping.previous.port  # type: ignore[union-attr]
+            not_before = adoption.not_before(self._keeping.started)  # type: ignore[union-attr]
         self._server = RendezvousServer(self._registry, self._secret, host=self._address,
                                         listen_queue=listen_queue_for(workers), limits=limits_for(workers),
-                                        port=port or 0)
+                                        port=port or 0, not_before=not_before)
         try:
             self._server.start()
         except OSError as err:

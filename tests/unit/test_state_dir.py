@@ -284,3 +284,30 @@ def test_a_detached_remote_worker_outlives_its_connection_and_is_reattached(tmp_
     gone, _, err3 = supervisor({"attach": {"dir": remote, "name": "w9", "pid": os.getpid(), "ticks": 1, "offset": 0}})
     assert err3.next() == f"{MARK} exit -9"
     gone.wait(BOUND)
+
+
+def test_an_adopting_driver_refuses_requests_signed_before_it_started():
+    """Its nonce cache is new: a request to its predecessor, replayed, must not pass."""
+    import requests
+
+    from lightning_elastic import protocol as p
+    from lightning_elastic.launcher.rendezvous_server import RendezvousServer
+    from tests.unit.test_rendezvous_server import SECRET, sign
+
+    reg = Registry()
+    with reg.cond:
+        reg.add_worker("w", SlotKey("h", 0)).last_heartbeat = 0.0
+    started = time.time()
+    srv = RendezvousServer(reg, SECRET, not_before=adoption.not_before(started))
+    srv.start()
+    try:
+        body = p.to_json(p.HeartbeatRequest("w", 0, 0, 0.0))
+        before = requests.post(srv.url + p.PATH_HEARTBEAT, data=body, timeout=10,
+                               headers=sign(p.PATH_HEARTBEAT, body, timestamp=int(started) - 5))
+        assert before.status_code == 401 and "signed before this driver started" in before.text
+        # Signed now, or by a worker whose clock lags a little: accepted.
+        for stamp in (None, int(started - 0.9)):
+            assert requests.post(srv.url + p.PATH_HEARTBEAT, data=body, timeout=10,
+                                 headers=sign(p.PATH_HEARTBEAT, body, timestamp=stamp)).status_code == 200
+    finally:
+        srv.close()
