@@ -124,6 +124,9 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "`--state-dir`: SIGKILL to the driver (its ssh connections close), the same command again",
      "success in the same round on both hosts",
      f"{SAME}, no step run twice, exactly once, output of the outage forwarded"),
+    ("test_driver_restart.py::test_lightning_fit_survives_a_driver_restart", "Lightning",
+     "`--state-dir`: SIGKILL to the driver mid-fit, the same command again", "success in the same round",
+     f"{SAME}, exactly once, final state (global step, optimizer and scheduler steps)"),
 ]
 
 

@@ -167,3 +167,26 @@ def test_restarted_driver_reattaches_to_workers_on_other_machines(job: Job, host
     assert_epochs_complete(job, 8)
     # The output each worker wrote while no driver ran reached the new driver's stdout.
     assert "training finished" in (job.dir / "restart.out").read_text()
+
+
+def test_lightning_fit_survives_a_driver_restart(job: Job) -> None:
+    """The Lightning strategy needs the driver no more than the plain loop does: the fit goes
+    on through the outage, in the same processes, and ends with every sample once."""
+    from tests.integration import test_lightning as lightning
+
+    job.set_hosts(H1, H2)
+    args = restart_args(job, "-np", "2")
+    lightning.start(job, args, step_delay=0.1)
+    job.wait_steps(5)
+    pids = {e["pid"] for e in job.events("start")}
+    kill_driver(job)
+    killed_at = max_step(job)
+    wait_for(lambda: max_step(job) >= killed_at + 5, 60, "fit steps while no driver runs")
+    job.stdout_path, job.stderr_path = job.dir / "restart.out", job.dir / "restart.err"
+    lightning.start(job, args, step_delay=0.1)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids
+    history = lightning.assert_exactly_once(job)
+    lightning.assert_final_state(job, history, start_size=2, end_size=2)
