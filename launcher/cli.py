@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="start over even if --snapshot-dir holds snapshots (new ones are still written)")
     run.add_argument("--log-dir", type=Path, metavar="DIR",
                      help="also write each worker's output, and the job's events.jsonl timeline, to DIR")
+    run.add_argument("--state-dir", type=Path, metavar="DIR",
+                     help="keep the job's state in DIR: local workers then outlive the driver, and the same "
+                          "command run again with the same DIR adopts them (default: workers die with the driver)")
+    run.add_argument("--driver-patience", type=float, default=120.0, metavar="SECONDS",
+                     help="with --state-dir, how long workers wait for an unreachable driver before they exit "
+                          "(default: 120)")
     run.add_argument("--verbose", action="store_true", help="log the driver's decisions in detail")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
     return parser
@@ -224,6 +230,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         blacklist_cooldown=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
         discovery_interval=args.discovery_interval,
         log_dir=args.log_dir,
+        state_dir=args.state_dir,
+        driver_patience=args.driver_patience,
         verbose=args.verbose,
         snapshots=snapshot_settings(args),
     )

@@ -169,6 +169,11 @@ class LaunchConfig:
     # --snapshot-dir/--snapshot-every/--snapshot-keep/--no-resume: durable snapshots of the
     # newest commit, and the one a launch resumes from (lightning_elastic.snapshot_files).
     snapshots: SnapshotSettings | None = None
+    # --state-dir: where the driver keeps what a restarted driver needs to adopt the job
+    # (launcher/state_dir.py); local workers then outlive the driver. None: they die with it.
+    state_dir: Path | None = None
+    # --driver-patience: with --state-dir, how long workers wait for an unreachable driver.
+    driver_patience: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -183,6 +188,12 @@ class LaunchConfig:
             raise ConfigError(f"--port: expected a port number 1..65535, got {self.port}")
         if self.log_dir is not None and self.log_dir.exists() and not self.log_dir.is_dir():
             raise ConfigError(f"--log-dir: {self.log_dir} is a file, expected a directory")
+        if self.state_dir is not None and self.state_dir.exists() and not self.state_dir.is_dir():
+            raise ConfigError(f"--state-dir: {self.state_dir} is a file, expected a directory")
+        if self.state_dir is not None and self.ray is not None:
+            raise ConfigError("--state-dir: not supported with --ray (Ray actors belong to the driver's job)")
+        if not (math.isfinite(self.driver_patience) and self.driver_patience > 0):
+            raise ConfigError(f"--driver-patience: expected a positive number of seconds, got {self.driver_patience}")
         if self.spares < 0:
             raise ConfigError(f"--spares: expected 0 or more workers, got {self.spares}")
         if self.hosts is not None and count_slots(self.hosts) < self.np:

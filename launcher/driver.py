@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
-from lightning_elastic.launcher import membership, policy, snapshots
+from lightning_elastic.launcher import adoption, membership, policy, snapshots
 from lightning_elastic.launcher.config import LaunchConfig
 from lightning_elastic.launcher.discovery import DiscoveryPoller, FixedHosts, HostDiscovery, ScriptDiscovery
 from lightning_elastic.launcher.errors import ConfigError, LaunchError, StartError
@@ -49,12 +49,14 @@ from lightning_elastic.launcher.processes.base import (
     describe_status,
     stop_all,
 )
+from lightning_elastic.launcher.processes.detached import DetachedLauncher
 from lightning_elastic.launcher.processes.exit_watch import ExitWatcher
 from lightning_elastic.launcher.processes.local import LocalLauncher
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
 from lightning_elastic.launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
 from lightning_elastic.launcher.rendezvous_server import RendezvousServer, limits_for, listen_queue_for
+from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry
 from lightning_elastic import protocol as p
 
 # Put first on the workers' PYTHONPATH: lightning_elastic/_autoload/sitecustomize.py.
@@ -100,6 +102,7 @@ class JobResult:
         if self.rounds_omitted:
             sizes.insert(BoundedHistory.FIRST, f"({self.rounds_omitted} more)")
         return " -> ".join(sizes) or "none"
+    outages: tuple[str, ...] = ()  # --state-dir: each restart of the driver that adopted the job
 
     @property
     def exit_code(self) -> int:
@@ -118,6 +121,9 @@ class JobResult:
             lines.append(f"  preempted:     {len(self.departures) + self.departures_omitted} (left without rollback)")
             lines += _listed(self.departures, self.departures_omitted)
         lines.append(f"  blacklisted:   {', '.join(self.blacklisted) or 'none'}")
+        if self.outages:
+            lines.append(f"  driver outages: {len(self.outages)}")
+            lines += [f"    - {o}" for o in self.outages]
         if self.rejected_requests:
             lines.append(f"  rejected rendezvous requests: {self.rejected_requests}")
         if self.snapshots is not None:
@@ -150,6 +156,7 @@ class Driver:
         clock: Callable[[], float] = time.monotonic,
         events: EventLog | None = None,
         resolves: Callable[[str], bool] | None = None,
+        keeping: adoption.StateKeeping | None = None,
     ) -> None:
         self._config = config
         self._events = events if events is not None else EventLog(config.log_dir)
@@ -164,7 +171,12 @@ class Driver:
                                           prepare=self._look_up)
         self._hosts = HostManager(config.blacklist_cooldown, clock)
         self._registry = Registry(clock, config.repeated_error_limit)
-        self._secret = secrets.token_hex(32)
+        # --state-dir: the job's state kept for a restarted driver, and the job it adopts.
+        self._keeping = keeping
+        self._adopting = keeping is not None and keeping.previous is not None
+        self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
+        self._outages: list[str] = []
+        self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
         self._server: RendezvousServer | None = None
         self._processes: dict[str, WorkerProcess] = {}
         # The newest workers forgotten after a round formed, still flushed at the end.
@@ -184,7 +196,7 @@ class Driver:
         self._waiting_said_at = 0.0  # when the last "waiting for slots" line was logged
         # A fixed host list never grows; with no cooldown a blacklisted host never returns.
         self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
-        self._worker_numbers = itertools.count()
+        self._next_worker = 0
         self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
         self._rounds: BoundedHistory[int] = BoundedHistory()  # each round's world size
         self._failures: BoundedHistory[str] = BoundedHistory()
@@ -213,7 +225,8 @@ class Driver:
     def run(self) -> JobResult:
         c = self._config
         raise_descriptor_limit()
-        self._events.emit("job_started", np=c.np, min_np=c.min_np, max_np=c.max_np)
+        if not self._adopting:
+            self._events.emit("job_started", np=c.np, min_np=c.min_np, max_np=c.max_np)
         try:
             self._resume = snapshots.choose(c.snapshots, c.command, self._events)
         except ConfigError as err:
@@ -231,8 +244,12 @@ class Driver:
             self._address = choose_driver_address(
                 [h.host for h in usable], self._is_local, self._config.driver_address, self._config.network_interface
             )
+            if self._adopting:
+                self._adopt()  # before the service: the workers' first requests must find them known
             self._start_services()
             self._gc.start()
+            if self._keeping is not None:
+                self._keeping.writer.start()
             with self._registry.cond:
                 self._hosts.update(usable)
                 self._events.emit("hosts_changed", added=[h.host for h in usable], removed=[])
@@ -241,7 +258,7 @@ class Driver:
             # Before any worker started nothing ran: an invalid input, said in one line. Later
             # (a worker's command vanished) the job ends with its summary like any other.
             verdict = policy.Verdict(False, str(err))
-            refused = not self._processes
+            refused = not self._processes or self._server is None
         except _Stop:
             verdict = policy.Verdict(False, f"interrupted by {self._stop_signal}: stopped every worker")
         except Exception as err:  # noqa: BLE001 - crash-only: a bug of ours still ends in a verdict
@@ -263,9 +280,13 @@ class Driver:
         which also serves the process-group store (see launcher/store_service.py)."""
         workers = self._config.max_np + self._config.spares
         port = self._config.port
+        not_before = None
+        if self._adopting:  # where the adopted workers look for their driver
+            port = self._keeping.previous.port  # type: ignore[union-attr]
+            not_before = adoption.not_before(self._keeping.started)  # type: ignore[union-attr]
         self._server = RendezvousServer(self._registry, self._secret, host=self._address,
                                         listen_queue=listen_queue_for(workers), limits=limits_for(workers),
-                                        port=port or 0)
+                                        port=port or 0, not_before=not_before)
         try:
             self._server.start()
         except OSError as err:
@@ -279,6 +300,14 @@ class Driver:
             self._registry.closing = True  # a SIGTERM from stop_all below means "exit now"
             self._registry.wake_all()
         self._discovery.close()
+        if self._adopting and self._server is None:
+            # This driver could not take the job over (its port is taken, say): the workers
+            # wait for the next one, within their patience.
+            self._keeping.finish(job_over=False)  # type: ignore[union-attr]
+            if self._exit_watcher is not None:
+                self._exit_watcher.close()
+            self._gc.stop()
+            return
         procs = [*self._processes.values(), *self._retired]
         if any(p_.poll() is None for p_ in procs):
             log.info("Stopping %d worker process(es).", sum(p_.poll() is None for p_ in procs))
@@ -288,6 +317,8 @@ class Driver:
         self._gc.stop()
         if self._server is not None:
             self._server.close()
+        if self._keeping is not None:
+            self._keeping.finish(job_over=True)
 
     def _result(self, verdict: policy.Verdict, refused: bool = False) -> JobResult:
         self._events.emit("job_ended", success=verdict.success, reason=verdict.reason)
@@ -307,6 +338,7 @@ class Driver:
             refused=refused,
             resumed_from=str(self._resume.found.path) if self._resume and self._resume.found else "",
             snapshots=snapshots.totals(self._registry.workers.values()) if self._config.snapshots else None,
+            outages=tuple(self._outages),
         )
 
     # ----- the loop -------------------------------------------------------------------
@@ -330,16 +362,21 @@ class Driver:
                 if self._stop_requested.is_set():
                     raise _Stop()
                 now = self._clock()
+                if self._adoption_watch is not None:
+                    self._adoption_progress(now)
                 changed = self._take_discovery()
                 changed = bool(self._hosts.tick()) or changed
                 changed = self._reap(now) or changed
                 if changed or reg.changes != seen or (now >= next_pass and self._timers_pending(now)):
+                    dirty = changed or reg.changes != seen
                     seen = reg.changes
                     next_pass = now + decide_every
                     verdict = self._decide(now)
                     if verdict is not None:
                         return verdict  # workers planned in that pass are never started
                     self._start_pending()
+                    if dirty or reg.changes != seen:  # not after a pass on a timer alone
+                        self._save_state()
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
@@ -438,7 +475,8 @@ class Driver:
     # ----- workers --------------------------------------------------------------------
 
     def _spawn(self, slot: SlotAssignment) -> None:
-        number = next(self._worker_numbers)
+        number = self._next_worker
+        self._next_worker += 1
         worker_id = f"{slot.slot}#{number}"
         record = self._registry.add_worker(worker_id, slot.slot)
         assert self._server is not None
@@ -461,6 +499,7 @@ class Driver:
             p.ENV_PROCESS_GROUP_TIMEOUT: str(t.process_group),
             p.ENV_PREEMPTION_GRACE: str(t.preemption_grace),
             **(self._resume.env if self._resume else {}),
+            **({p.ENV_DRIVER_PATIENCE: str(self._config.driver_patience)} if self._keeping is not None else {}),
             # The usual torch variables, as planned; le.init() updates them every round.
             "RANK": str(slot.rank),
             "WORLD_SIZE": str(slot.size),
@@ -474,10 +513,7 @@ class Driver:
         if self._config.log_dir is not None:
             log_file = self._config.log_dir / f"worker-{number}-{slot.slot.host}-{slot.slot.local_rank}.log"
 
-        def prefix(record: WorkerRecord = record) -> str:
-            rank = record.rank
-            return f"[{rank if rank is not None else '-'}] "
-
+        prefix = _prefix_of(record)
         spec = WorkerSpec(
             worker_id=worker_id,
             host=slot.slot.host,
@@ -714,6 +750,60 @@ class Driver:
             and now - since > self._config.timeouts.worker_arrival
         )
 
+    # ----- --state-dir ----------------------------------------------------------------
+
+    def _save_state(self) -> None:
+        """Hand the job's state to the writer thread (after a decision pass: when it changed)."""
+        if self._keeping is None or self._server is None:
+            return
+        self._keeping.writer.submit(adoption.capture(
+            self._address, self._server.port, self._registry, self._processes, self._target,
+            self._announced_for is not None, self._hosts, self._counters()))
+
+    def _counters(self) -> adoption.Counters:
+        return adoption.Counters(self._next_worker, tuple(self._rounds), tuple(self._failures),
+                                 tuple(self._blacklisted), tuple(self._departures), tuple(self._outages))
+
+    def _adopt(self) -> None:
+        """Take over the job a previous driver left in the state dir: its workers, its
+        round (not re-formed), its blacklist and counters."""
+        keeping = self._keeping
+        assert keeping is not None and keeping.previous is not None
+        state = keeping.previous
+        if self._address != state.address:
+            log.info("Serving on %s, as the previous driver did (not %s): its workers look for it there.",
+                     state.address, self._address)
+        self._address = state.address
+        with self._registry.cond:
+            restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of)  # type: ignore[arg-type]
+        self._processes.update(restored.processes)
+        self._target = restored.target
+        self._announced_for = membership.slots_of(self._target) if state.announced else None
+        self._next_worker = state.next_worker
+        self._rounds = BoundedHistory.of(state.rounds)  # what the previous driver kept of each
+        self._failures = BoundedHistory.of(state.failures)
+        self._blacklisted = list(state.blacklisted)
+        self._departures = BoundedHistory.of(state.departures)
+        round_number = state.round.number if state.round else 0
+        line = (f"driver restarted after {keeping.outage:.1f} s without one: adopted {restored.adopted} "
+                f"worker(s) in round {round_number}"
+                + (f"; {restored.ended} ended while no driver ran" if restored.ended else ""))
+        self._outages = [*state.outages, line]
+        log.info("Adopting the job in %s: %s.", keeping.dir.path, line)
+        self._adoption_watch = adoption.AdoptionWatch(
+            [self._registry.workers[w] for w, proc in restored.processes.items() if proc.poll() is None],
+            self._clock(), self._started_at)
+        self._events.resume(round_number)
+        self._events.emit("driver_restarted", outage_s=round(keeping.outage, 3), adopted=restored.adopted,
+                          ended=restored.ended, round=round_number)
+
+    def _adoption_progress(self, now: float) -> None:
+        took = self._adoption_watch.check(now)  # type: ignore[union-attr]
+        if took is not None:
+            self._adoption_watch = None
+            log.info("Every adopted worker reached this driver %.2f s after its start.", took)
+            self._events.emit("workers_adopted", after_s=round(took, 3))
+
     # ----- decisions ------------------------------------------------------------------
 
     def _verdict(self, now: float) -> policy.Verdict | None:
@@ -898,6 +988,16 @@ def listing(items: Iterable[str], limit: int = 16) -> str:
     return ", ".join(shown) + (f", ... ({more} more)" if more else "")
 
 
+def _prefix_of(record: WorkerRecord) -> Callable[[], str]:
+    """The prefix of a worker's output lines: its rank in the current round, read per line."""
+
+    def prefix() -> str:
+        rank = record.rank
+        return f"[{rank if rank is not None else '-'}] "
+
+    return prefix
+
+
 def raise_descriptor_limit() -> None:
     """Raise the soft limit on open descriptors to the hard one. The driver holds one or
     two per worker (its connections, its output pipe; three for an ssh worker): the usual
@@ -923,13 +1023,28 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
 
     Raises ConfigError only before any worker started: an input found invalid only here (a
     --log-dir that cannot be written, a Ray cluster that cannot be reached, an address or
-    port the driver cannot serve on, no host name that resolves).
+    port the driver cannot serve on, no host name that resolves, another driver holding
+    --state-dir).
     """
-    if config.log_dir is not None:
+    state_dir = None
+    if config.state_dir is not None:
+        state_dir = StateDir(config.state_dir)
+        state_dir.lock()  # another driver runs this job: ConfigError, exit 2
+    try:
+        return _launch(config, out, state_dir)
+    finally:
+        if state_dir is not None:
+            state_dir.release()
+
+
+def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | None) -> JobResult:
+    sink = OutputSink(out)  # one for every worker's output: a broken stdout is said once
+    keeping = adoption.StateKeeping(state_dir) if state_dir else None
+    # An adopted job goes on writing its --log-dir: its timeline continues.
+    if config.log_dir is not None and not (keeping and keeping.previous):
         moved = prepare_log_dir(config.log_dir)
         if moved:
             log.info("%s.", moved)
-    sink = OutputSink(out)  # one for every worker's output: a broken stdout is said once
     if config.ray is not None:
         from lightning_elastic.launcher.ray.backend import ray_backend  # noqa: PLC0415 - Ray only when asked
 
@@ -937,9 +1052,20 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
             result = run_driver(Driver(backend.config, backend.nodes, backend.launcher, backend.nodes.is_local))
     else:
         classifier = HostClassifier()
-        router = HostRouter(LocalLauncher(sink), SshLauncher(config.ssh, sink), classifier.is_local)
+        ssh = SshLauncher(config.ssh, sink, state_dir)
+        if keeping is not None:  # workers that outlive the driver, and finding them again
+            detached = DetachedLauncher(state_dir, sink)  # type: ignore[arg-type]
+            local: WorkerLauncher = detached
+
+            def adopt(entry: WorkerEntry, prefix: Callable[[], str]) -> WorkerProcess:
+                return (detached if classifier.is_local(entry.host) else ssh).adopt(entry, prefix)
+
+            keeping.adopt = adopt
+        else:
+            local = LocalLauncher(sink)
+        router = HostRouter(local, ssh, classifier.is_local)
         result = run_driver(Driver(config, make_discovery(config), router, classifier.is_local,
-                                   resolves=classifier.resolves))
+                                   resolves=classifier.resolves, keeping=keeping))
     if result.refused:
         raise ConfigError(result.reason)
     return result

@@ -20,6 +20,10 @@ come from their own clocks, and the driver's monotonic clock means nothing to th
 ``recovery``        ``round``, ``after`` (``"fault"`` or ``"host change"``), ``since``,
                     ``duration_s``: from the fault (the round breaking) or the
                     announcement to the new round's first step
+``driver_restarted``  ``outage_s``, ``adopted``, ``ended``, ``round`` (``--state-dir``: a
+                    new driver took the job over after that long without one)
+``workers_adopted``  ``after_s``: from the new driver's start until every adopted
+                    worker had reached it
 ``job_ended``       ``success``, ``reason``
 =================== =============================================================
 
@@ -117,6 +121,11 @@ class EventLog:
     def _stopped_by(self, err: OSError) -> None:
         # A full disk or a file-size limit costs the timeline, never the job.
         log.warning("The job's timeline stops here: %s could not be written (%s).", self._path, err)
+
+    def resume(self, current_round: int) -> None:
+        """An adopted job (``--state-dir``): the previous driver already recorded the first
+        steps of the rounds up to ``current_round``."""
+        self._first_steps_seen.update(range(1, current_round + 1))
 
     def host_change_announced(self, round_number: int, generation: int) -> None:
         self.emit("reset_announced", round=round_number, generation=generation)

@@ -9,7 +9,7 @@ ended; ``events.jsonl`` keeps all of them.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -23,6 +23,15 @@ class BoundedHistory(Generic[T]):
         self._newest: collections.deque[T] = collections.deque(maxlen=newest)
         self._first_limit = first
         self.total = 0  # every entry ever appended
+
+    @classmethod
+    def of(cls, items: Iterable[T]) -> BoundedHistory[T]:
+        """A history holding ``items`` (what a previous driver kept: its omitted count is
+        not carried across a restart)."""
+        history: BoundedHistory[T] = cls()
+        for item in items:
+            history.append(item)
+        return history
 
     def append(self, item: T) -> None:
         self.total += 1

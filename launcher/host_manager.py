@@ -115,6 +115,28 @@ class HostManager:
         table[key] = _Blacklisting(count, None if delay is None else self._clock() + delay)
         return delay
 
+    def blacklist_entries(self) -> list[tuple[str, int | None, int, float | None]]:
+        """(host, local rank or None for the whole host, failures, cooldown seconds left or
+        None for good): what a restarted driver needs (``restore_blacklist``)."""
+        now = self._clock()
+
+        def left(e: _Blacklisting) -> float | None:
+            return None if e.until is None else max(0.0, e.until - now)
+
+        return ([(host, None, e.count, left(e)) for host, e in self._blacklist.items()]
+                + [(s.host, s.local_rank, e.count, left(e)) for s, e in self._slot_blacklist.items()])
+
+    def restore_blacklist(self, entries: list[tuple[str, int | None, int, float | None]]) -> None:
+        """Take over a previous driver's blacklist (``blacklist_entries``), cooldowns counted from now."""
+        now = self._clock()
+        for host, local_rank, count, remaining in entries:
+            entry = _Blacklisting(count, None if remaining is None else now + remaining)
+            if local_rank is None:
+                self._blacklist[host] = entry
+            else:
+                self._slot_blacklist[SlotKey(host, local_rank)] = entry
+        self._refresh()
+
     def blacklisted_slots(self) -> frozenset[SlotKey]:
         """Slots out after a failure of their own, on hosts that stay in use."""
         now = self._clock()

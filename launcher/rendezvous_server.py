@@ -9,7 +9,6 @@ signed so workers can trust them. Nothing is unpickled.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import socket
 import threading
@@ -91,8 +90,12 @@ class RendezvousServer:
         listen_queue: int = 1024,
         limits: ConnectionLimits | None = None,
         port: int = 0,
+        not_before: float | None = None,
     ) -> None:
         self._registry = registry
+        # A driver that adopted a job (--state-dir) refuses requests signed before it started:
+        # its nonce cache is new, and those could only be replays of requests to its predecessor.
+        self._not_before = not_before
         self._store = store if store is not None else KeyValueStore()
         self._secret = secret
         self._host = host
@@ -259,6 +262,8 @@ class RendezvousServer:
         # Only the service's loop thread admits requests: no lock.
         if not abs(auth.timestamp - now) <= TIMESTAMP_WINDOW:
             return f"timestamp outside {TIMESTAMP_WINDOW:g} s of the driver's clock (clock skew?)"
+        if self._not_before is not None and auth.timestamp < self._not_before:
+            return "signed before this driver started (a replay of a request to the previous driver?)"
         return self._replays.check(auth.nonce, self._clock())
 
     def _report(self, report: p.Report) -> p.Ack:

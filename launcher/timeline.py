@@ -40,6 +40,7 @@ class Timeline:
     recoveries: tuple[tuple[float, float, str], ...]  # (time of the first step, duration, after what)
     success: bool | None
     reason: str
+    outages: tuple[tuple[float, float], ...] = ()  # (from, to): no driver ran (--state-dir)
 
     @property
     def hosts(self) -> list[str]:
@@ -54,7 +55,7 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
     starts: dict[str, tuple[str, float]] = {}
     started_order: dict[str, int] = {}
     spans: list[WorkerSpan] = []
-    world, faults, joins, announcements, recoveries = [], [], [], [], []
+    world, faults, joins, announcements, recoveries, outages = [], [], [], [], [], []
     success, reason = None, ""
     end = t0
     for e in events:
@@ -77,13 +78,15 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             announcements.append(t)
         elif kind == "recovery":
             recoveries.append((e["since"] - t0 + e["duration_s"], e["duration_s"], e["after"]))
+        elif kind == "driver_restarted":
+            outages.append((t - e["outage_s"], t))
         elif kind == "job_ended":
             success, reason = e["success"], e["reason"]
     duration = end - t0
     spans += [WorkerSpan(w, host, began, duration, "running") for w, (host, began) in starts.items()]
     spans.sort(key=lambda s: started_order[s.worker])  # as the workers were started
     return Timeline(duration, tuple(world), tuple(spans), tuple(faults), tuple(joins), tuple(announcements),
-                    tuple(recoveries), success, reason)
+                    tuple(recoveries), success, reason, tuple(outages))
 
 
 def draw(timeline: Timeline, out: Path) -> None:
@@ -121,6 +124,10 @@ def draw(timeline: Timeline, out: Path) -> None:
         lanes.plot(t, hosts.index(host), marker="x", color="red", markersize=10, mew=2)
     for t, host in timeline.joins:
         lanes.plot(t, hosts.index(host), marker=">", color="tab:green", markersize=8)
+    for since, until in timeline.outages:  # workers trained on; no driver ran
+        for axis in (top, lanes):
+            axis.axvspan(since, until, color="gray", alpha=0.15)
+        top.annotate(f"no driver for {until - since:.1f} s", (since, 0.3), fontsize=8, color="dimgray")
     for t in timeline.announcements:
         lanes.axvline(t, color="gray", linestyle="--", linewidth=0.8)
         top.axvline(t, color="gray", linestyle="--", linewidth=0.8)

@@ -61,8 +61,9 @@ def driver_is_busy(err: requests.RequestException) -> bool:
 
 
 class DriverClient:
-    def __init__(self, url: str, secret: str, worker_id: str) -> None:
+    def __init__(self, url: str, secret: str, worker_id: str, retry_for: float = RETRY_FOR) -> None:
         self.worker_id = worker_id
+        self._retry_for = retry_for  # how long a request waits out a driver it cannot connect to
         self._url = url.rstrip("/")
         self._secret = secret
         self._nonces = p.NonceSequence()  # the driver remembers senders, not every nonce
@@ -106,9 +107,12 @@ class DriverClient:
         self._session.close()
 
     def _post(self, path: str, message: Any, reply_type: type[T], wait: float = 0.0,
-              retry_for: float = RETRY_FOR, patient: bool = True) -> T:
-        """Send, retrying for ``retry_for`` seconds while the driver cannot be reached, and
-        without a limit while it is busy if ``patient`` (see ``driver_is_busy``)."""
+              retry_for: float | None = None, patient: bool = True) -> T:
+        """Send, retrying for ``retry_for`` seconds (default: the client's) while the driver
+        cannot be reached, and without a limit while it is busy if ``patient`` (see
+        ``driver_is_busy``)."""
+        if retry_for is None:
+            retry_for = self._retry_for
         deadline = time.monotonic() + retry_for
         body = p.to_json(message)
         attempt = 0

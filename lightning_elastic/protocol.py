@@ -46,6 +46,9 @@ ENV_ELASTIC_TIMEOUT = "LIGHTNING_ELASTIC_TIMEOUT"
 ENV_LOST_MEMBER_WAIT = "LIGHTNING_ELASTIC_LOST_MEMBER_WAIT"
 ENV_PROCESS_GROUP_TIMEOUT = "LIGHTNING_ELASTIC_PROCESS_GROUP_TIMEOUT"
 ENV_PREEMPTION_GRACE = "LIGHTNING_ELASTIC_PREEMPTION_GRACE"
+# --driver-patience, set with --state-dir: how long a worker waits for an unreachable driver
+# (a restarted one adopts it) before it exits. Unset: 2 x the heartbeat timeout, as without.
+ENV_DRIVER_PATIENCE = "LIGHTNING_ELASTIC_DRIVER_PATIENCE"
 # The CUDA device index a worker keeps for its whole life, set when its launcher gives every
 # worker devices of its own (a Ray actor sees only its GPUs, as device 0...). Unset: the
 # device is cuda:LOCAL_RANK of the current round.

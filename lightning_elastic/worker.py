@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
-from lightning_elastic.client import DriverClient, first_request_spread, heartbeat_hold
+from lightning_elastic.client import RETRY_FOR, DriverClient, backoff, first_request_spread, heartbeat_hold
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 # then the driver has declared it lost (a partition, or the driver is gone) and killed it
 # as far as it could, so lingering could only leave a stray process on its host.
 DRIVER_LOST_AFTER_TIMEOUTS = 2.0
+# A failed heartbeat is retried within this (or the interval, if shorter): an adopting
+# driver (--state-dir) hears from every worker within it of listening again.
+HEARTBEAT_RETRY_CAP = 0.5
 
 # wait_collective: how often a pending collective looks whether its round broke, and how
 # long it may stay pending once the round is known broken (the heartbeat has then cut the
@@ -92,6 +95,18 @@ class WorkerSettings:
     process_group_timeout: float
     preemption_grace: float
     cuda_device: int | None = None  # pinned by the launcher; None: cuda:LOCAL_RANK
+    # How long the driver may be unreachable before this worker exits (--driver-patience,
+    # with --state-dir: a restarted driver adopts it); 0: DRIVER_LOST_AFTER_TIMEOUTS.
+    driver_patience: float = 0.0
+
+    @property
+    def driver_lost_after(self) -> float:
+        return max(self.driver_patience, DRIVER_LOST_AFTER_TIMEOUTS * self.heartbeat_timeout)
+
+    def client(self) -> DriverClient:
+        """A client whose requests wait out an unreachable driver for as long as this worker does."""
+        return DriverClient(self.driver_url, self.secret, self.worker_id,
+                            retry_for=max(RETRY_FOR, self.driver_patience))
 
     @classmethod
     def from_environment(cls, environ: os._Environ | dict[str, str]) -> WorkerSettings | None:
@@ -110,6 +125,7 @@ class WorkerSettings:
                 process_group_timeout=float(environ.get(p.ENV_PROCESS_GROUP_TIMEOUT, "1800")),
                 preemption_grace=float(environ.get(p.ENV_PREEMPTION_GRACE, "30")),
                 cuda_device=int(environ[p.ENV_CUDA_DEVICE]) if environ.get(p.ENV_CUDA_DEVICE) else None,
+                driver_patience=float(environ.get(p.ENV_DRIVER_PATIENCE, "0")),
             )
         except KeyError as err:
             raise RendezvousError(
@@ -205,7 +221,7 @@ class ElasticWorker:
         self.commits_total = 0  # commits by this process, every round
         self._host_check: HostCheck | None = None  # the current round's
         self._preemption: PreemptionHandler | None = None
-        self._client = DriverClient(settings.driver_url, settings.secret, settings.worker_id) if settings else None
+        self._client = settings.client() if settings else None
         self._store: DriverStore | None = None
         self._assignment: p.Assignment | None = None
         self._seen_generation = 0
@@ -367,8 +383,7 @@ class ElasticWorker:
             store: dist.Store = dist.HashStore()
         else:
             if self._store is None:
-                s = self.settings
-                client = DriverClient(s.driver_url, s.secret, s.worker_id)
+                client = self.settings.client()
                 self._store = DriverStore(client, timeout, interrupted=self._round_broken_reason)
             self._store.set_timeout(timeout)
             store = self._store
@@ -585,6 +600,7 @@ class ElasticWorker:
         last_ok = time.monotonic()
         interval = self.settings.heartbeat_interval
         first = True
+        failures = 0  # in a row
         while not self._heartbeat_stop.is_set():
             try:
                 with self._lock:
@@ -603,13 +619,19 @@ class ElasticWorker:
                     print("lightning-elastic: the driver no longer counts this worker in the job: exiting",
                           file=sys.stderr, flush=True)
                     os._exit(1)
-                lost_after = DRIVER_LOST_AFTER_TIMEOUTS * self.settings.heartbeat_timeout
+                # Training goes on meanwhile: collectives run peer to peer. With --state-dir
+                # a restarted driver adopts this worker within the patience.
+                lost_after = self.settings.driver_lost_after
                 if time.monotonic() - last_ok > lost_after:
                     print(f"lightning-elastic: driver unreachable for {lost_after:g} s: exiting",
                           file=sys.stderr, flush=True)
                     os._exit(1)
-                self._heartbeat_stop.wait(interval)
+                # Retried at a random point of a growing bound, at most half a second: a
+                # restarted driver is found again within a second, by a fleet not all at once.
+                self._heartbeat_stop.wait(min(interval, HEARTBEAT_RETRY_CAP, backoff(failures)))
+                failures += 1
                 continue
+            failures = 0
             last_ok = time.monotonic()
             with self._lock:
                 self._seen_generation = max(self._seen_generation, reply.generation)

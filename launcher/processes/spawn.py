@@ -2,7 +2,8 @@
 
 The worker runs in its own session (process group), so a signal reaches every process it
 started (data-loader workers); it gets SIGKILL when its parent dies (PR_SET_PDEATHSIG), so
-it never outlives the driver or the supervisor even when they are SIGKILLed. The job
+it never outlives the driver or the supervisor even when they are SIGKILLed (with
+``--state-dir`` a keeper is started without it instead, see keeper.py). The job
 secret reaches it through an inherited pipe, never the command line or the environment,
 where ``ps`` would show it.
 """
@@ -39,12 +40,14 @@ def spawn_worker(
     cwd: str | None,
     stdout: int | IO[bytes],
     secret_fd_variable: str,
+    die_with_parent: bool = True,
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` with ``secret`` readable once from the fd in ``secret_fd_variable``.
 
     stdout and stderr both go to ``stdout`` (a pipe or an inherited descriptor). This module
     is standard-library only: the ssh supervisor imports it on hosts where importing the
-    worker runtime (torch) would cost seconds per start.
+    worker runtime (torch) would cost seconds per start. ``die_with_parent`` False: the
+    process outlives this one (``--state-dir``'s keeper, see keeper.py).
     """
     read_end, write_end = os.pipe()
     try:
@@ -63,7 +66,7 @@ def spawn_worker(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             pass_fds=(read_end,),
-            preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
+            preexec_fn=die_with_parent_preexec() if die_with_parent else None,  # type: ignore[arg-type]
         )
     finally:
         os.close(read_end)

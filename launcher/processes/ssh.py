@@ -8,7 +8,9 @@ and reports its exit status on stderr; see ``supervisor.py`` for that small prot
 
 The ssh client runs in BatchMode (never prompts), with a connect timeout and keep-alives,
 and dies with the driver (PR_SET_PDEATHSIG): the closed connection then makes the
-supervisor SIGKILL the worker, so no remote worker outlives the driver.
+supervisor SIGKILL the worker, so no remote worker outlives the driver. With
+``--state-dir`` the supervisor keeps its worker running instead, and a restarted driver
+re-attaches to it (``SshLauncher.adopt``).
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
 from lightning_elastic.launcher.config import SshSettings
 from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.detached import CountingStream, read_offset
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.processes.spawn import die_with_parent_preexec
 from lightning_elastic.launcher.processes.supervisor import MARK
+from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry, safe_name
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 log = logging.getLogger(__name__)
@@ -68,9 +73,13 @@ def remote_command(cwd: str, python: str = sys.executable) -> str:
 
 
 class SshLauncher:
-    def __init__(self, settings: SshSettings, out: IO[str] | OutputSink | None = None) -> None:
+    def __init__(self, settings: SshSettings, out: IO[str] | OutputSink | None = None,
+                 state_dir: StateDir | None = None) -> None:
         self._settings = settings
         self._sink = as_sink(out)  # one for all its workers: a broken stdout is reported once
+        # --state-dir: workers outlive the connection (see supervisor.py), their files in
+        # the same path on their host, under remote/ (the hosts may share this directory).
+        self._state_dir = state_dir
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> SshProcess:
         env = {k: os.environ[k] for k in FORWARDED_BY_DEFAULT if k in os.environ}
@@ -82,8 +91,25 @@ class SshLauncher:
             "secret": spec.secret,
             "secret_fd_variable": ENV_SECRET_FD,
         }
-        argv = [*ssh_argv(self._settings, spec.host), remote_command(spec.cwd)]
-        log.debug("Starting worker %s: %s", spec.worker_id, shlex.join(argv))
+        if self._state_dir is not None:
+            start["detach"] = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(spec.worker_id)}
+        return self._connect(spec.host, spec.cwd, spec.worker_id, start, prefix, spec.log_file, None)
+
+    def adopt(self, entry: WorkerEntry, prefix: Callable[[], str]) -> SshProcess:
+        """Re-attach to a worker a previous driver started (``--state-dir``)."""
+        assert self._state_dir is not None
+        offset = read_offset(self._state_dir.worker_file(entry.worker_id, "offset"))
+        attach = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(entry.worker_id),
+                  "pid": entry.pid, "ticks": entry.start_ticks, "offset": offset}
+        log_file = Path(entry.log_file) if entry.log_file else None
+        process = self._connect(entry.host, os.getcwd(), entry.worker_id, {"attach": attach}, prefix, log_file, offset)
+        process.adoptable = (entry.pid, entry.start_ticks)
+        return process
+
+    def _connect(self, host: str, cwd: str, worker_id: str, message: dict, prefix: Callable[[], str],
+                 log_file: Path | None, offset: int | None) -> SshProcess:
+        argv = [*ssh_argv(self._settings, host), remote_command(cwd)]
+        log.debug("Starting worker %s: %s", worker_id, shlex.join(argv))
         try:
             proc = subprocess.Popen(
                 argv,
@@ -94,12 +120,20 @@ class SshLauncher:
                 preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
             )
         except OSError as err:  # no OpenSSH client here: no remote host can get a worker
-            raise StartError(f"cannot run ssh to start a worker on {spec.host}: {err.strerror or err}") from None
+            raise StartError(f"cannot run ssh to start a worker on {host}: {err.strerror or err}") from None
         assert proc.stdout is not None
-        forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._sink, f"ssh-output-{proc.pid}")
+        started: list[SshProcess] = []
+        stream: IO[bytes] = proc.stdout
+        if self._state_dir is not None:  # how far the output got, for the next driver
+            stream = CountingStream(proc.stdout, self._state_dir.worker_file(worker_id, "offset"),  # type: ignore[assignment]
+                                    lambda: offset if offset is not None else
+                                    (started[0].output_base if started else None))
+        forwarder = LineForwarder(stream, prefix, log_file, self._sink, f"ssh-output-{proc.pid}")
         forwarder.start()
-        process = SshProcess(spec.host, proc, forwarder)
-        process.send(json.dumps(start))
+        process = SshProcess(host, proc, forwarder)
+        process.log_file = log_file
+        started.append(process)
+        process.send(json.dumps(message))
         return process
 
 
@@ -112,6 +146,11 @@ class SshProcess:
         self._status: int | None = None  # the worker's exit status, as the supervisor reported it
         self._stderr: list[str] = []  # ssh's (and the remote shell's) own messages
         self._killed = False
+        # --state-dir: (pid, start ticks) of the remote keeper, and the byte of its output
+        # file the relay started at, as the supervisor said ("started PID TICKS OFFSET").
+        self.adoptable: tuple[int, int] | None = None
+        self.output_base: int | None = None
+        self.log_file: Path | None = None
         self._control = threading.Thread(target=self._read_control, name=f"ssh-control-{proc.pid}", daemon=True)
         self._control.start()
 
@@ -184,6 +223,9 @@ class SshProcess:
                 verb, _, value = line[len(MARK):].strip().partition(" ")
                 if verb == "exit":
                     self._status = int(value)
+                elif verb == "started" and len(value.split()) == 3:
+                    pid, ticks, base = map(int, value.split())
+                    self.adoptable, self.output_base = (pid, ticks), base
                 elif verb == "error":
                     self._stderr.append(value)
                 log.debug("Supervisor on %s: %s", self._host, line)

@@ -188,6 +188,17 @@ def log_dir_under_a_file(d: Path):
         "--log-dir: cannot create {path}: {reason}", {"path": d / "logs" / "job", "reason": "Not a directory"})
 
 
+def state_dir_is_a_file(d: Path):
+    (d / "state").write_text("")
+    return ["launch", "--state-dir", str(d / "state"), PYTHON, "-c", "pass"], {}, Line(
+        "--state-dir: {path} is a file, expected a directory", {"path": d / "state"})
+
+
+def driver_patience_not_positive(d: Path):
+    return ["launch", "--driver-patience", "0", PYTHON, "-c", "pass"], {}, Line(
+        "--driver-patience: expected a positive number of seconds, got {value}", {"value": 0.0})
+
+
 def driver_address_foreign(d: Path):
     return ["launch", "--driver-address", FOREIGN, PYTHON, "-c", "pass"], {}, Line(
         "--driver-address: {address} is not an address of this machine", {"address": FOREIGN})
@@ -272,7 +283,7 @@ def only_host_does_not_resolve(d: Path):  # found by the driver, before any work
 INVALID: list[Case] = [
     command_not_on_path, command_here_but_not_on_path, command_file_missing, py_command_missing,
     command_not_executable, command_is_a_directory, log_dir_is_a_file, log_dir_under_a_file,
-    driver_address_foreign, driver_address_not_ipv4, network_interface_unknown, discovery_script_is_a_directory,
+    state_dir_is_a_file, driver_patience_not_positive, driver_address_foreign, driver_address_not_ipv4, network_interface_unknown, discovery_script_is_a_directory,
     hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
     discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,
     only_host_does_not_resolve,

@@ -110,3 +110,13 @@ def test_without_a_log_dir_nothing_is_written(tmp_path: Path) -> None:
     log.emit("job_started", np=1, min_np=1, max_np=1)
     log.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_driver_outage_is_a_span_of_the_timeline():
+    events = [
+        {"time": 100.0, "kind": "job_started", "np": 2, "min_np": 2, "max_np": 2},
+        {"time": 101.0, "kind": "round_formed", "round": 1, "size": 2, "members": []},
+        {"time": 110.0, "kind": "driver_restarted", "outage_s": 4.5, "adopted": 2, "ended": 0, "round": 1},
+        {"time": 112.0, "kind": "job_ended", "success": True, "reason": "done"},
+    ]
+    assert build_timeline(events).outages == ((5.5, 10.0),)

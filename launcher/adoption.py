@@ -1,0 +1,206 @@
+"""The job's restartable state taken from a running driver (``capture``) and given back to
+a new one (``restore``): the two halves of ``--state-dir``.
+
+Both are plain functions of the driver's parts, so that what a restart needs is explicit:
+the registry's workers and current round, the planned target, the blacklist, and the
+counters the summary reports. What is not here starts afresh on restart, on purpose:
+pending requests (workers send them again), the process-group store (a new round makes
+new keys), timers that only bound a wait (a worker's heartbeat deadline starts at the
+adoption, as if it had just been started).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from lightning_elastic.launcher.host_manager import HostManager
+from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
+from lightning_elastic.launcher.processes.base import WorkerProcess
+from lightning_elastic.launcher.registry import Registry, RoundInfo, WorkerRecord, WorkerState
+from lightning_elastic.launcher.state_dir import (
+    BlacklistEntry,
+    JobState,
+    RoundEntry,
+    StateDir,
+    StateWriter,
+    TargetEntry,
+    WorkerEntry,
+)
+from lightning_elastic.protocol import Outcome, Report
+
+
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    """What the job summary counts, carried across restarts."""
+
+    next_worker: int
+    rounds: tuple[int, ...]
+    failures: tuple[str, ...]
+    blacklisted: tuple[str, ...]
+    departures: tuple[str, ...]
+    outages: tuple[str, ...]
+
+
+def capture(
+    address: str,
+    port: int,
+    registry: Registry,
+    processes: Mapping[str, WorkerProcess],
+    target: Sequence[SlotAssignment],
+    announced: bool,
+    hosts: HostManager,
+    counters: Counters,
+) -> JobState:
+    """The state a restarted driver needs, now (driver lock held; O(workers))."""
+    current = registry.round
+    records = registry.live_workers()
+    if current is not None:  # its finished members too: the round names them
+        records += [registry.workers[m] for m in current.members if registry.workers[m].state.finished]
+    workers = []
+    for record in records:
+        proc = processes.get(record.worker_id)
+        # (pid, start ticks) of what outlives the driver; None: nothing can be adopted.
+        pid, ticks = getattr(proc, "adoptable", None) or (0, 0)
+        log_file = getattr(proc, "log_file", None)
+        report = record.report
+        workers.append(WorkerEntry(
+            worker_id=record.worker_id,
+            host=record.slot.host,
+            local_rank=record.slot.local_rank,
+            pid=pid,
+            start_ticks=ticks,
+            joined=record.joined,
+            member=registry.current_member(record),
+            assignment=record.assignment,  # immutable: shared, serialized by the writer thread
+            reported=report.outcome.value if report else "",
+            reported_round=report.round if report else 0,
+            report_message=report.message if report else "",
+            leave=record.leave,
+            log_file=str(log_file) if log_file else "",
+            finished=record.state.value if record.state.finished else "",
+        ))
+    return JobState(
+        address=address,
+        port=port,
+        next_worker=counters.next_worker,
+        generation=registry.generation,
+        round=RoundEntry(current.number, current.generation, current.members) if current else None,
+        broken_rounds=tuple(sorted(registry.broken_rounds)),
+        workers=tuple(workers),
+        target=tuple(TargetEntry(a.slot.host, a.slot.local_rank, a.rank, a.size, a.local_size, a.cross_rank,
+                                 a.cross_size) for a in target),
+        announced=announced,
+        rounds=counters.rounds,
+        failures=counters.failures,
+        blacklisted=counters.blacklisted,
+        blacklist=tuple(BlacklistEntry(*entry) for entry in hosts.blacklist_entries()),
+        departures=counters.departures,
+        outages=counters.outages,
+        saved_at=time.time(),
+    )
+
+
+@dataclasses.dataclass
+class Restored:
+    processes: dict[str, WorkerProcess]
+    target: list[SlotAssignment]
+    adopted: int  # workers found running
+    ended: int  # workers that ended while no driver ran (reaped as usual, failures included)
+
+
+def restore(
+    state: JobState,
+    registry: Registry,
+    hosts: HostManager,
+    adopt: Callable[[WorkerEntry, Callable[[], str]], WorkerProcess],
+    prefix_for: Callable[[WorkerRecord], Callable[[], str]],
+) -> Restored:
+    """Give ``registry`` and ``hosts`` the previous driver's job, and find its workers'
+    processes again through ``adopt`` (driver lock held, before the service starts)."""
+    processes: dict[str, WorkerProcess] = {}
+    adopted = ended = 0
+    for w in state.workers:
+        record = registry.add_worker(w.worker_id, SlotKey(w.host, w.local_rank))
+        record.joined = w.joined
+        record.leave = w.leave
+        # Its heartbeat deadline starts now (a worker that never joined gets its start-up bound).
+        record.last_heartbeat = record.started_at if w.joined else None
+        record.assignment = w.assignment
+        if w.member:
+            record.state = WorkerState.MEMBER
+        if w.reported:
+            record.report = Report(w.worker_id, w.reported_round, Outcome(w.reported), w.report_message)
+        if w.finished:
+            record.state = WorkerState(w.finished)
+            continue  # no process to find: it has been reaped
+        proc = adopt(w, prefix_for(record))
+        processes[w.worker_id] = proc
+        if proc.poll() is None:
+            adopted += 1
+        else:
+            ended += 1
+    registry.generation = state.generation
+    registry.broken_rounds = set(state.broken_rounds)
+    if state.round is not None:
+        members = state.round.members
+        registry.round = RoundInfo(state.round.number, members, state.round.generation,
+                                   tuple(registry.workers[m].slot for m in members if m in registry.workers))
+    hosts.restore_blacklist([(b.host, b.local_rank, b.count, b.remaining) for b in state.blacklist])
+    target = [SlotAssignment(SlotKey(t.host, t.local_rank), t.rank, t.size, t.local_size, t.cross_rank, t.cross_size)
+              for t in state.target]
+    return Restored(processes, target, adopted, ended)
+
+
+# How far a worker's clock may lag the driver's: an adopting driver accepts requests signed
+# this long before it started (in whole seconds, as requests are stamped). An outage longer
+# than about twice this leaves no request its predecessor saw acceptable.
+CLOCK_SKEW = 1.0
+
+
+def not_before(started: float) -> int:
+    """The oldest request timestamp an adopting driver started at ``started`` accepts."""
+    return math.floor(started - CLOCK_SKEW)
+
+
+class StateKeeping:
+    """One driver's ``--state-dir``: the locked directory, the job it adopts (if any), and
+    the writer that keeps the state there while the job runs."""
+
+    def __init__(self, state_dir: StateDir,
+                 adopt: Callable[[WorkerEntry, Callable[[], str]], WorkerProcess] | None = None) -> None:
+        self.dir = state_dir
+        # Finds a worker of the previous driver again: its launcher's ``adopt`` (local or ssh).
+        self.adopt = adopt
+        self.previous = state_dir.load()  # the job to adopt; None: a new job
+        self.secret = state_dir.secret()
+        last = state_dir.last_alive()
+        # How long no driver ran: since the previous one last touched ``alive``.
+        self.outage = max(0.0, time.time() - last) if self.previous is not None and last is not None else 0.0
+        self.writer = StateWriter(state_dir)
+        self.started = time.time()  # wall clock: compared with the workers' request timestamps
+
+    def finish(self, job_over: bool) -> None:
+        """The driver is exiting: with the job over, nothing is left to adopt."""
+        self.writer.close()
+        if job_over:
+            self.dir.clear()
+
+
+class AdoptionWatch:
+    """Until every adopted worker has reached the new driver (a heartbeat or any request
+    since the adoption): then how long that took from the driver's start."""
+
+    def __init__(self, records: list[WorkerRecord], adopted_at: float, driver_started: float) -> None:
+        self._pending = list(records)
+        self._adopted_at = adopted_at
+        self._driver_started = driver_started
+
+    def check(self, now: float) -> float | None:
+        """Seconds from the driver's start to the last adopted worker's arrival, once all have
+        arrived (or ended); else None. O(workers not yet arrived): asked every tick until then."""
+        self._pending = [r for r in self._pending if not r.state.finished
+                         and (r.last_heartbeat is None or r.last_heartbeat <= self._adopted_at)]
+        return None if self._pending else now - self._driver_started

@@ -1,0 +1,192 @@
+"""--state-dir: the driver SIGKILLed mid-run, local workers training on, a restarted driver adopting them.
+
+Real launches of the example loop on loopback hosts; the driver is killed with SIGKILL and
+started again with the same command, as systemd or a Kubernetes Deployment would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
+from tests.integration.test_bad_inputs import PREFIXES, Line, assert_documented
+
+pytestmark = pytest.mark.integration
+
+H1, H2 = "127.0.0.1:1", "127.0.0.2:1"
+STEADY = ["--step-delay", "0.05", "--samples", "192", "--batch-size", "8", "--commit-every", "2"]
+
+
+def restart_args(job: Job, *extra: str) -> list[str]:
+    return ["--host-discovery-script", str(job.discovery_script()), "--discovery-interval", "0.2",
+            "--state-dir", str(job.dir / "state"), "--log-dir", str(job.dir / "logs"), *extra]
+
+
+def kill_driver(job: Job) -> None:
+    """SIGKILL the driver alone (its workers are in sessions of their own)."""
+    assert job.proc is not None
+    job.proc.kill()
+    job.proc.wait(30)
+
+
+def start_again(job: Job, name: str, launch_args: list[str], example_args: list[str]) -> None:
+    """The same command once more, its output in files of its own."""
+    job.stdout_path = job.dir / f"{name}.out"
+    job.stderr_path = job.dir / f"{name}.err"
+    job.start(launch_args, example_args)
+
+
+def max_step(job: Job) -> int:
+    return max((e["step"] for e in job.events("step")), default=0)
+
+
+def driver_events(job: Job) -> list[dict]:
+    path = job.dir / "logs" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_restarted_driver_adopts_the_running_workers(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    args, example = restart_args(job, "-np", "2"), [*STEADY, "--epochs", "10"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    assert len(pids) == 2
+
+    # A second driver on the same state dir refuses, in one line, and changes nothing.
+    second = subprocess.run([str(job.launcher), "launch", *args, "true"], cwd=job.dir, capture_output=True,
+                            text=True, timeout=60)
+    assert second.returncode == 2, second.stderr
+    refusal = Line("--state-dir {path}: another driver (pid {pid}) runs this job; it must exit before another "
+                   "can take over", {"path": job.dir / "state", "pid": job.proc.pid})
+    assert second.stderr.strip().splitlines() == [PREFIXES["error"] + refusal.text]
+    assert_documented(refusal)
+
+    kill_driver(job)
+    killed_at = max_step(job)
+    # The workers train on without a driver: collectives are peer to peer.
+    wait_for(lambda: max_step(job) >= killed_at + 10, 30, "steps while no driver runs")
+    assert all(_alive(pid) for pid in pids), "a worker died with its driver"
+    time.sleep(3)  # a restart delay, as systemd's RestartSec: the outage is the subject here
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+
+    err = job.stderr()
+    assert "Adopting the job in" in err
+    assert "driver outages: 1" in err
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids  # the same worker processes finished
+    for pid in pids:  # no step ran twice in a worker
+        steps = [e["step"] for e in job.events("step") if e["pid"] == pid]
+        assert len(steps) == len(set(steps)) and steps == sorted(steps)
+    assert_epochs_complete(job, 10)
+    assert_replicas_identical(job)
+    restarted = [e for e in driver_events(job) if e["kind"] == "driver_restarted"]
+    assert len(restarted) == 1 and restarted[0]["adopted"] == 2 and restarted[0]["outage_s"] >= 3
+    assert [e["kind"] for e in driver_events(job)].count("job_started") == 1
+    assert not (job.dir / "state" / "state.json").exists(), "the ended job left a state to adopt"
+
+
+def test_worker_lost_during_the_outage_is_recovered_from_once_the_driver_is_back(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    args, example = restart_args(job, "-np", "2", "--min-np", "1"), [*STEADY, "--epochs", "4"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    kill_driver(job)
+    os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
+    # Its keeper, which no driver watches now, records how it ended.
+    wait_for(lambda: list((job.dir / "state" / "workers").glob("*.status")), 10, "the lost worker's status")
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "was killed by SIGKILL" in err
+    assert job.world_sizes() == [2, 1]
+    breaks = [e for e in driver_events(job) if e["kind"] == "round_broken"]
+    assert len(breaks) == 1, breaks
+    restarted = [e for e in driver_events(job) if e["kind"] == "driver_restarted"]
+    assert [(e["adopted"], e["ended"]) for e in restarted] == [(1, 1)]
+    synced = [e for e in job.events("synced") if e["round"] == 2]
+    assert len(synced) == 1 and synced[0]["step"] % 2 == 0  # restored from a commit
+    assert_epochs_complete(job, 4)
+
+
+def test_workers_exit_when_no_driver_comes_back_within_the_patience(job: Job) -> None:
+    job.set_hosts(H1, H2)
+    # Without --state-dir a worker would give up after 2 x --heartbeat-timeout: 4 s.
+    job.start(restart_args(job, "-np", "2", "--driver-patience", "6", "--heartbeat-timeout", "2"),
+              [*STEADY, "--epochs", "50"])
+    job.wait_rounds(1)
+    job.wait_steps(2)
+    kill_driver(job)
+    gone_at = time.monotonic()
+    wait_for(lambda: not job.stray_processes(), 30, "every worker (and its keeper) to exit")
+    assert time.monotonic() - gone_at >= 5, "the workers did not wait for the patience"
+    logs = "".join(p.read_text() for p in (job.dir / "state" / "workers").glob("*.log"))
+    assert logs.count("driver unreachable for 6 s: exiting") == 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.remote
+def test_restarted_driver_reattaches_to_workers_on_other_machines(job: Job, hosts) -> None:
+    """Over ssh: the connections close with the driver, the supervisors leave their workers
+    running, and the restarted driver re-attaches (output, signals, exit status)."""
+    h1, h2 = hosts.names[:2]
+    args = [*hosts.ssh_args, "-H", f"{h1}:1,{h2}:1", "-np", "2", "--state-dir", str(job.dir / "state"),
+            "--log-dir", str(job.dir / "logs")]
+    example = [*STEADY, "--epochs", "8"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    kill_driver(job)
+    killed_at = max_step(job)
+    wait_for(lambda: max_step(job) >= killed_at + 10, 30, "steps while no driver runs")
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids
+    for pid in pids:
+        steps = [e["step"] for e in job.events("step") if e["pid"] == pid]
+        assert len(steps) == len(set(steps))
+    assert_epochs_complete(job, 8)
+    # The output each worker wrote while no driver ran reached the new driver's stdout.
+    assert "training finished" in (job.dir / "restart.out").read_text()
+
+
+def test_lightning_fit_survives_a_driver_restart(job: Job) -> None:
+    """The Lightning strategy needs the driver no more than the plain loop does: the fit goes
+    on through the outage, in the same processes, and ends with every sample once."""
+    from tests.integration import test_lightning as lightning
+
+    job.set_hosts(H1, H2)
+    args = restart_args(job, "-np", "2")
+    lightning.start(job, args, step_delay=0.1)
+    job.wait_steps(5)
+    pids = {e["pid"] for e in job.events("start")}
+    kill_driver(job)
+    killed_at = max_step(job)
+    wait_for(lambda: max_step(job) >= killed_at + 5, 60, "fit steps while no driver runs")
+    job.stdout_path, job.stderr_path = job.dir / "restart.out", job.dir / "restart.err"
+    lightning.start(job, args, step_delay=0.1)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids
+    history = lightning.assert_exactly_once(job)
+    lightning.assert_final_state(job, history, start_size=2, end_size=2)
