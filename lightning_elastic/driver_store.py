@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from lightning_elastic.client import DriverClient
 from lightning_elastic.errors import CollectiveError
 
 POLL = 2.0  # longest the driver holds one GET; the store asks again until its timeout
+_READS = frozenset({p.StoreOp.GET, p.StoreOp.MULTI_GET, p.StoreOp.CHECK, p.StoreOp.NUM_KEYS})
 
 
 def _b64(value: bytes | str) -> str:
@@ -44,6 +46,10 @@ class DriverStore(dist.Store):
         self._lock = threading.Lock()  # one request at a time on the client's session
 
     def _call(self, op: p.StoreOp, key: str = "", **fields: object) -> p.StoreReply:
+        if op not in _READS:
+            # One id for every attempt the client makes of this write: a retry after a lost
+            # reply is answered by the driver, not applied again (an ADD counted twice).
+            fields["request_id"] = secrets.token_hex(8)
         request = p.StoreRequest(self._client.worker_id, op, key, **fields)  # type: ignore[arg-type]
         with self._lock:
             return self._client.store(request)
