@@ -12,11 +12,12 @@ It has its own HTTP client: torch may call it while the heartbeat thread uses th
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -44,6 +45,22 @@ class DriverStore(dist.Store):
         # during group formation must not keep the others waiting for the store timeout.
         self._interrupted = interrupted
         self._lock = threading.Lock()  # one request at a time on the client's session
+        self._recorded: list[bytes] | None = None  # see recording()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[bytes]]:
+        """Collect every value written or read meanwhile: what a group formation exchanged
+        (gloo's peers' listening addresses, for ``group_sockets.published_by``)."""
+        self._recorded = recorded = []
+        try:
+            yield recorded
+        finally:
+            self._recorded = None
+
+    def _record(self, values: list[bytes]) -> list[bytes]:
+        if self._recorded is not None:
+            self._recorded.extend(values)
+        return values
 
     def _call(self, op: p.StoreOp, key: str = "", **fields: object) -> p.StoreReply:
         if op not in _READS:
@@ -57,6 +74,7 @@ class DriverStore(dist.Store):
     # ----- torch.distributed.Store ----------------------------------------------------
 
     def set(self, key: str, value: bytes | str) -> None:
+        self._record([value.encode() if isinstance(value, str) else bytes(value)])
         self._call(p.StoreOp.SET, key, value=_b64(value))
 
     def append(self, key: str, value: bytes | str) -> None:
@@ -86,7 +104,7 @@ class DriverStore(dist.Store):
                 reply = self._call(op, keys=keys, wait_seconds=wait)
             if reply.found:
                 values = (reply.value,) if op == p.StoreOp.GET else reply.values
-                return [base64.b64decode(v) for v in values]
+                return self._record([base64.b64decode(v) for v in values])
             why = self._interrupted()
             if why is not None:
                 raise CollectiveError(f"{why} while its process group was forming ({what})")
