@@ -93,7 +93,14 @@ class PreemptionHandler:
             pass
 
     def _noted(self, signum: int, frame: FrameType | None) -> None:
-        """The Python-level handler: the watcher thread has acted already (or will)."""
+        """The Python-level handler: the watcher thread has acted already (or will), unless
+        something replaced the wakeup descriptor since (an asyncio loop started later in the
+        main thread): then the notice is acted on here, as before."""
+        ours = self._wakeup[1].fileno() if self._wakeup is not None else -2
+        current = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(current, warn_on_full_buffer=current != ours)
+        if current != ours:
+            self.handle(signum, frame)
 
     def _watch(self, reader: socket.socket) -> None:
         while True:

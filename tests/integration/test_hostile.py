@@ -294,6 +294,8 @@ def test_a_preempted_worker_blocked_in_a_collective_leaves_within_its_grace(job:
     job.wait(timeout=60)
     err = job.stderr()
     assert 2.0 <= elapsed < 6.0, (elapsed, err[-3000:])
-    assert "SIGTERM received: leaving the job at the next host-update check (grace 2 s)" in err
-    assert "preemption grace of 2 s ran out before this worker could leave" in err
+    said = job.stdout()  # the workers' output, forwarded by the driver
+    assert "SIGTERM received: leaving the job at the next host-update check (grace 2 s)" in said, said[-3000:]
+    assert "preemption grace of 2 s ran out before this worker could leave" in said
+    assert "exited with status 143 before it could leave on SIGTERM (preemption notice)" in err
     assert not job.stray_processes()

@@ -169,3 +169,25 @@ def test_a_forked_child_gets_plain_sigterm_and_no_share_of_the_wakeup_descriptor
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [f"child {int(signal.SIGTERM)}", "watchdog False"], proc.stdout
+
+
+def test_a_wakeup_descriptor_set_later_by_someone_else_leaves_the_notice_to_the_python_handler():
+    # An asyncio loop started in the main thread after init takes the wakeup descriptor:
+    # the watcher hears nothing, so the Python handler must act (not swallow SIGTERM).
+    code = textwrap.dedent("""
+        import os, signal, socket, time
+        from lightning_elastic.preemption import PreemptionHandler
+        h = PreemptionHandler(lambda reason: (print("asked", reason, flush=True), True)[1], 30.0)
+        h.install()
+        theirs, _ = socket.socketpair()
+        theirs.setblocking(False)
+        signal.set_wakeup_fd(theirs.fileno())
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        print("watchdog", h.watchdog is not None, flush=True)
+        h.left()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["asked SIGTERM (preemption notice)", "watchdog True"], proc.stdout
