@@ -48,6 +48,9 @@ class PreemptionHandler:
         self._die = die or _die_by_sigterm  # from the handler, in the main thread
         self._received = False
         self._gone = threading.Event()
+        # Held while deciding to die and while marking the departure. Re-entrant: with the
+        # Python-handler fallback, the handler may run in the main thread inside left().
+        self._leaving = threading.RLock()
         self.watchdog: threading.Thread | None = None
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
 
@@ -119,6 +122,9 @@ class PreemptionHandler:
         # Runs in the watcher thread (or, with another wakeup descriptor in place, in the
         # main thread between two bytecodes); a request to the driver takes milliseconds
         # (a separate client: the main thread may be mid-request).
+        if self._gone.is_set():
+            _say("SIGTERM received while this worker is leaving the job: it goes on leaving")
+            return
         if self._received:
             self._terminate("a second SIGTERM")
             return
@@ -139,12 +145,21 @@ class PreemptionHandler:
         self._exit_process(128 + signal.SIGTERM)
 
     def _terminate(self, why: str) -> None:
-        _say(f"{why}: exiting now")
-        self._die()
+        with self._leaving:
+            if self._gone.is_set():
+                # The worker began leaving on its own meanwhile (told to exit at the
+                # rendezvous): dying now would turn that clean departure into a failure.
+                _say(f"{why} while this worker is leaving the job: it goes on leaving")
+                return
+            _say(f"{why}: exiting now")
+            self._die()
 
     def left(self) -> None:
-        """The worker is leaving: the grace watchdog has nothing more to do."""
-        self._gone.set()
+        """The worker is leaving (before it reports so): a SIGTERM from now on, and the grace
+        watchdog, leave it to finish. Exclusive with dying: a SIGTERM acted on by the watcher
+        thread either ends the process before this returns or sees it set."""
+        with self._leaving:
+            self._gone.set()
 
 
 def _die_by_sigterm() -> None:

@@ -191,3 +191,28 @@ def test_a_wakeup_descriptor_set_later_by_someone_else_leaves_the_notice_to_the_
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["asked SIGTERM (preemption notice)", "watchdog True"], proc.stdout
+
+
+def test_a_sigterm_to_a_worker_already_leaving_lets_it_leave():
+    # The driver stops a worker that was just told to exit at the rendezvous: its SIGTERM
+    # must not turn that clean departure into a death by SIGTERM (a failure).
+    h, exits, asked = handler(graceful=False)
+    h.left()
+    h.handle(signal.SIGTERM, None)
+    assert asked == [] and exits.died == 0
+
+
+def test_a_worker_that_starts_leaving_while_the_driver_is_asked_is_not_killed():
+    # The watcher asked the driver (answered "exit now") while the main thread, told to
+    # exit at the rendezvous, marked itself leaving.
+    exits = Exits()
+    box: list[PreemptionHandler] = []
+
+    def request_leave(reason: str) -> bool:
+        box[0].left()  # the main thread, meanwhile
+        return False
+
+    h = PreemptionHandler(request_leave, 30.0, exits.exit_process, exits.die)
+    box.append(h)
+    h.handle(signal.SIGTERM, None)
+    assert exits.died == 0
