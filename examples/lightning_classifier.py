@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds a worker spends starting before fit joins the job (as data and GPU set-up "
                              "take on a real fleet)")
     faults.add_argument("--start-delay-on-host", default="all", help="host whose workers start so slowly; 'all': every")
+    faults.add_argument("--val-delay", type=float, default=0.0,
+                        help="seconds of extra work per validation step in the first round (a long validation pass)")
     faults.add_argument("--reset-delay", type=float, default=0.0,
                         help="seconds on_elastic_reset takes (a window to fault the recovery in)")
     faults.add_argument("--dist-error-at-step", type=int, default=-1,
@@ -167,6 +169,9 @@ class SpiralClassifier(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y, _ = batch
+        if self.faults is not None and self.faults.val_delay and not self.trainer.sanity_checking and _round() <= 1:
+            self.events.emit("val_step", self.trainer, epoch=self.current_epoch, batch_idx=batch_idx)
+            time.sleep(self.faults.val_delay)
         accuracy = (self.net(x).argmax(dim=1) == y).float().mean()
         self.log("val_accuracy", accuracy, prog_bar=True, sync_dist=True)
 

@@ -71,7 +71,13 @@ class WorkerState(str, Enum):
 
 
 class UnknownWorker(LookupError):
-    pass
+    """A request from a worker the registry does not count. ``ended``: one it counted until
+    it finished (a heartbeat sent just before its exit, answered after it was reaped), not a
+    stranger: answered the same, but no rejection of note."""
+
+    def __init__(self, message: str, ended: bool = False) -> None:
+        super().__init__(message)
+        self.ended = ended
 
 
 @dataclasses.dataclass
@@ -270,7 +276,7 @@ class Registry:
     def _get(self, worker_id: str) -> WorkerRecord:
         record = self.workers.get(worker_id)
         if record is None or record.state.finished:
-            raise UnknownWorker(f"unknown or finished worker {worker_id!r}")
+            raise UnknownWorker(f"unknown or finished worker {worker_id!r}", ended=record is not None)
         return record
 
     def _poll(self, answer, record: WorkerRecord, timeout: float, finish=lambda: None) -> LongPoll:

@@ -120,6 +120,7 @@ class RendezvousServer:
             p.PATH_STORE: (p.StoreRequest, self._store.poll),
         }
         self.rejected = 0  # requests refused for auth or form; shown in the job summary
+        self.late_requests = 0  # from workers already finished (answered 409, not rejections)
 
     @property
     def unauthenticated_connections(self) -> int:
@@ -208,6 +209,13 @@ class RendezvousServer:
         except p.ProtocolError as err:
             return self._reject(request, HTTPStatus.BAD_REQUEST, str(err), auth.nonce)
         except UnknownWorker as err:
+            if err.ended:
+                # A request the worker sent just before it exited (its last heartbeat, say),
+                # answered after the driver reaped it: routine at every worker's end, so
+                # neither a warning nor a rejection in a successful job's summary.
+                log.debug("Rendezvous service: %s from %s after it finished: %s", request.path, request.peer, err)
+                self.late_requests += 1
+                return self._response(HTTPStatus.CONFLICT, p.ErrorReply(str(err)), auth.nonce)
             return self._reject(request, HTTPStatus.CONFLICT, str(err), auth.nonce)
         if isinstance(reply, LongPoll):
             known = reply.answer_now()

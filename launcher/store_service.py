@@ -10,20 +10,37 @@ secret.
 Semantics follow ``torch.distributed.Store``: keys map to bytes, ``add`` keeps a decimal
 counter, ``get`` waits for the key (bounded per request; the worker asks again until its
 own timeout).
+
+Two things keep it right and bounded over a job of weeks:
+
+- A write is applied once however often it is sent. A worker whose reply was lost (a reset
+  connection, a read timeout while the driver was busy) sends the same operation again
+  with the same ``request_id``; the store answers the remembered reply instead of adding
+  or appending a second time. A worker's store sends one request at a time
+  (``DriverStore``), so only its latest write can be retried: one remembered reply per
+  worker, for at most ``MAX_REMEMBERED`` workers.
+- A round's keys (``STORE_ROUND_PREFIX``) are deleted once a round two later writes its
+  first key: by then every member of the old round has formed a later group or left.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
+import re
 import threading
 import time
 from collections.abc import Callable
 
 from lightning_elastic.launcher.long_poll import LongPoll, Signal
-from lightning_elastic.protocol import ProtocolError, StoreOp, StoreReply, StoreRequest
+from lightning_elastic.protocol import STORE_ROUND_PREFIX, ProtocolError, StoreOp, StoreReply, StoreRequest
 
 MAX_WAIT = 5.0  # longest a GET is held before "not found yet" (the client asks again)
 MAX_KEYS = 4096  # keys of one MULTI_GET (NCCL's scalable bootstrap reads one per 128 ranks)
+MAX_REMEMBERED = 16384  # workers whose last write's reply is kept for a retry (least recent dropped)
+KEPT_ROUNDS = 2  # the newest round's keys and the one before (a member may still be leaving it)
+
+_ROUND_KEY = re.compile(re.escape(STORE_ROUND_PREFIX) + r"(\d{1,18})/")
 
 
 def _decode(text: str, field: str) -> bytes:
@@ -47,6 +64,10 @@ class KeyValueStore:
         self._data: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._written: dict[str, Signal] = {}  # key -> GETs waiting for it
+        # worker id -> (request id, reply) of its latest write, least recently written first
+        self._answered: collections.OrderedDict[str, tuple[str, StoreReply]] = collections.OrderedDict()
+        self._round_keys: dict[int, set[str]] = {}  # round -> its keys written so far
+        self._newest_round = -1
 
     def handle(self, request: StoreRequest) -> StoreReply:
         """Answer ``request``, blocking this thread while a GET waits."""
@@ -70,12 +91,45 @@ class KeyValueStore:
                     self._clock() + min(request.wait_seconds, MAX_WAIT), self._clock,
                     finish=lambda: self._forget_idle(keys),
                 )
+            if request.request_id and op not in _READS:
+                answered = self._answered.get(request.worker_id)
+                if answered is not None and answered[0] == request.request_id:
+                    return answered[1]  # a retry of a write already applied
             reply = self._apply(request)
+            if request.request_id and op not in _READS:
+                self._remember(request.worker_id, request.request_id, reply)
             if op in _WRITES:
+                self._index_round_key(request.key)
                 signal = self._written.pop(request.key, None)
                 if signal is not None:
                     signal.fire()
             return reply
+
+    def _remember(self, worker_id: str, request_id: str, reply: StoreReply) -> None:
+        self._answered[worker_id] = (request_id, reply)
+        self._answered.move_to_end(worker_id)
+        while len(self._answered) > MAX_REMEMBERED:
+            self._answered.popitem(last=False)
+
+    def _index_round_key(self, key: str) -> None:
+        """Note ``key`` under its round, and forget rounds older than the newest ``KEPT_ROUNDS``."""
+        match = _ROUND_KEY.match(key)
+        if match is None:
+            return
+        number = int(match.group(1))
+        self._round_keys.setdefault(number, set()).add(key)
+        if number <= self._newest_round:
+            return
+        self._newest_round = number
+        for old in [r for r in self._round_keys if r <= number - KEPT_ROUNDS]:
+            for stale in self._round_keys.pop(old):
+                self._data.pop(stale, None)
+
+    @property
+    def size(self) -> int:
+        """Keys held (for tests and the summary)."""
+        with self._lock:
+            return len(self._data)
 
     def _get(self, keys: tuple[str, ...], final: bool) -> StoreReply | None:
         (key,) = keys
@@ -126,11 +180,14 @@ class KeyValueStore:
                 self._data[request.key] = _decode(request.value, "value")
             return StoreReply(request.key in self._data, _encode(self._data.get(request.key, expected)))
         if op == StoreOp.DELETE:
+            for keys in self._round_keys.values():
+                keys.discard(request.key)
             return StoreReply(self._data.pop(request.key, None) is not None)
         if op == StoreOp.NUM_KEYS:
             return StoreReply(True, count=len(self._data))
         raise ProtocolError(f"StoreRequest.op: unsupported {op!r}")  # pragma: no cover - enum is closed
 
 
+_READS = frozenset({StoreOp.GET, StoreOp.MULTI_GET, StoreOp.CHECK, StoreOp.NUM_KEYS})
 # Operations after which a waiting GET of the key may be answered.
 _WRITES = frozenset({StoreOp.SET, StoreOp.APPEND, StoreOp.ADD, StoreOp.COMPARE_SET})

@@ -12,10 +12,12 @@ It has its own HTTP client: torch may call it while the heartbeat thread uses th
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -24,6 +26,7 @@ from lightning_elastic.client import DriverClient
 from lightning_elastic.errors import CollectiveError
 
 POLL = 2.0  # longest the driver holds one GET; the store asks again until its timeout
+_READS = frozenset({p.StoreOp.GET, p.StoreOp.MULTI_GET, p.StoreOp.CHECK, p.StoreOp.NUM_KEYS})
 
 
 def _b64(value: bytes | str) -> str:
@@ -42,8 +45,28 @@ class DriverStore(dist.Store):
         # during group formation must not keep the others waiting for the store timeout.
         self._interrupted = interrupted
         self._lock = threading.Lock()  # one request at a time on the client's session
+        self._recorded: list[bytes] | None = None  # see recording()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[bytes]]:
+        """Collect every value written or read meanwhile: what a group formation exchanged
+        (gloo's peers' listening addresses, for ``group_sockets.published_by``)."""
+        self._recorded = recorded = []
+        try:
+            yield recorded
+        finally:
+            self._recorded = None
+
+    def _record(self, values: list[bytes]) -> list[bytes]:
+        if self._recorded is not None:
+            self._recorded.extend(values)
+        return values
 
     def _call(self, op: p.StoreOp, key: str = "", **fields: object) -> p.StoreReply:
+        if op not in _READS:
+            # One id for every attempt the client makes of this write: a retry after a lost
+            # reply is answered by the driver, not applied again (an ADD counted twice).
+            fields["request_id"] = secrets.token_hex(8)
         request = p.StoreRequest(self._client.worker_id, op, key, **fields)  # type: ignore[arg-type]
         with self._lock:
             return self._client.store(request)
@@ -51,6 +74,7 @@ class DriverStore(dist.Store):
     # ----- torch.distributed.Store ----------------------------------------------------
 
     def set(self, key: str, value: bytes | str) -> None:
+        self._record([value.encode() if isinstance(value, str) else bytes(value)])
         self._call(p.StoreOp.SET, key, value=_b64(value))
 
     def append(self, key: str, value: bytes | str) -> None:
@@ -80,7 +104,7 @@ class DriverStore(dist.Store):
                 reply = self._call(op, keys=keys, wait_seconds=wait)
             if reply.found:
                 values = (reply.value,) if op == p.StoreOp.GET else reply.values
-                return [base64.b64decode(v) for v in values]
+                return self._record([base64.b64decode(v) for v in values])
             why = self._interrupted()
             if why is not None:
                 raise CollectiveError(f"{why} while its process group was forming ({what})")

@@ -8,15 +8,21 @@ blocked send or receive fail at once ("Connection closed by peer"), after which 
 is destroyed and re-formed as after any lost peer.
 
 The group's sockets are the TCP connections that appeared while the group was formed,
-less the connections to the driver: recorded then, so that nothing else of the process
-(a logger's HTTP connection, a data stream) is ever touched.
+less the connections to the driver, and of those only the ones with an end at a listening
+address that the group's ranks published through the store (gloo's own listeners: a
+peer's, for a connection this rank opened; this rank's, for one it accepted). Recorded
+then, so that nothing else of the process is ever touched: a connection another thread
+opens during the formation (a logger's HTTPS stream) goes to no published address.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import re
 import socket
+import struct
 from collections.abc import Collection, Iterable
 
 import psutil
@@ -48,6 +54,30 @@ def new_connections(
 ) -> frozenset[Connection]:
     """Connections the group formation opened: in ``after`` only, to no excluded endpoint."""
     return frozenset(c for c in after if c not in before and c[1] not in excluded_remotes)
+
+
+def published_by(connections: Collection[Connection], published: Collection[bytes]) -> frozenset[Connection]:
+    """Those of ``connections`` with an end at an address found in ``published``.
+
+    gloo publishes each rank's listening address as a ``sockaddr`` inside an opaque value;
+    rather than parse gloo's layout, an address is found as ``sockaddr`` lays it out: the
+    port in network order, then (IPv4) the address, or (IPv6) 4 bytes of flow label and
+    the address.
+    """
+    return frozenset(c for c in connections if _in(c[0], published) or _in(c[1], published))
+
+
+def _in(address: Address, published: Collection[bytes]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address[0])
+    except ValueError:
+        return False
+    port = struct.pack("!H", address[1])
+    if ip.version == 4:
+        needle = port + ip.packed
+        return any(needle in value for value in published)
+    pattern = re.compile(re.escape(port) + b".{4}" + re.escape(ip.packed), re.DOTALL)
+    return any(pattern.search(value) for value in published)
 
 
 def shut_down(connections: Collection[Connection]) -> int:

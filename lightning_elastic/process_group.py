@@ -17,6 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from lightning_elastic.protocol import STORE_ROUND_PREFIX
+
 log = logging.getLogger(__name__)
 
 
@@ -108,7 +110,7 @@ def init_round_group(
     warning = gloo_scale_warning(choice.backend, size)
     if warning is not None and rank == 0:
         log.warning("%s.", warning)
-    prefixed = dist.PrefixStore(f"lightning_elastic/round/{round_number}", store)  # it adds the "/"
+    prefixed = dist.PrefixStore(f"{STORE_ROUND_PREFIX}{round_number}", store)  # it adds the "/"
     kwargs = {"device_id": choice.device} if choice.backend == "nccl" else {}
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     forming = min(timeout, connect_timeout) if choice.backend == "gloo" and set_timeout is not None else timeout

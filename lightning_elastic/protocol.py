@@ -56,8 +56,8 @@ ENV_CUDA_DEVICE = "LIGHTNING_ELASTIC_CUDA_DEVICE"
 
 # The protocol's version, on every request and reply: a worker and a driver of different
 # versions refuse each other with a message that says so (2: the store's MULTI_GET; 3: a
-# hot spare's WAIT says so).
-PROTOCOL_VERSION = 3
+# hot spare's WAIT says so; 4: store writes carry a request id).
+PROTOCOL_VERSION = 4
 HEADER_PROTOCOL = "X-Elastic-Protocol"
 HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
 HEADER_NONCE = "X-Elastic-Nonce"  # 32 hex digits, never sent twice: see NonceSequence
@@ -69,6 +69,9 @@ PATH_ROUND_LOST = "/v1/round-lost"
 PATH_REPORT = "/v1/report"
 PATH_LEAVE = "/v1/leave"
 PATH_STORE = "/v1/store"
+# Every round forms its group under this prefix followed by the round number and "/"
+# (process_group.init_round_group); the store forgets a round's keys once later rounds form.
+STORE_ROUND_PREFIX = "lightning_elastic/round/"
 
 RENDEZVOUS_POLL = 5.0  # longest the service holds a rendezvous request before "wait"
 
@@ -222,6 +225,9 @@ class StoreRequest:
     amount: str = "0"  # ADD, as decimal text (it may be negative)
     wait_seconds: float = 0.0  # GET, MULTI_GET
     keys: tuple[str, ...] = ()  # MULTI_GET
+    # Writes: the same for every attempt of one operation, so that a retry after a lost
+    # reply is answered, not applied a second time (an ADD counted twice). "": no id.
+    request_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -230,7 +230,8 @@ class ElasticWorker:
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._backend: BackendChoice | None = None
-        # The gloo connections of the group formed for round N: (N, connections).
+        # The group formed for round N and its gloo connections: (N, connections); (0, ...)
+        # while there is none. Written and read under ``_lock``.
         self._group_connections: tuple[int, frozenset[group_sockets.Connection]] = (0, frozenset())
         self._group_abandoned = False  # a collective of the current group was given up
         # (round, wall time) of this worker's first training step in its newest round: sent
@@ -315,6 +316,7 @@ class ElasticWorker:
         """Leave the current round and join the next one (called by ``@run``)."""
         self._reset_started_at = time.time()
         self.resets += 1
+        self._forget_group()
         if self._group_abandoned:
             abandon_round_group()
             self._group_abandoned = False
@@ -325,10 +327,17 @@ class ElasticWorker:
         else:
             self._join_next_round()
 
+    def _forget_group(self) -> None:
+        """Mark the group gone before it is destroyed: the heartbeat thread then leaves it
+        (and its successor, until formed) alone."""
+        with self._lock:
+            self._group_connections = (0, frozenset())
+
     def shutdown(self) -> None:
         if self.snapshot_writer is not None:
             self.snapshot_writer.close(timeout=30.0)  # a write in progress completes
         self._heartbeat_stop.set()
+        self._forget_group()
         if self._group_abandoned:
             abandon_round_group()
         else:
@@ -389,14 +398,21 @@ class ElasticWorker:
             store = self._store
         if self._backend.backend != "gloo" or self.settings is None:
             init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
+            with self._lock:
+                self._group_connections = (a.round, frozenset())  # NCCL: the round, for its abort
             return
         # Remember the group's own connections: a partitioned peer can only be cut off by
         # shutting them down (see group_sockets).
         before = group_sockets.established()
-        init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
+        assert self._store is not None
+        with self._store.recording() as published:
+            init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
         driver = urllib.parse.urlsplit(self.settings.driver_url)
         excluded = {(driver.hostname or "", driver.port or 0)}
-        connections = group_sockets.new_connections(before, group_sockets.established(), excluded)
+        opened = group_sockets.new_connections(before, group_sockets.established(), excluded)
+        # Only those to or from the listeners the ranks published: another thread may have
+        # opened connections of its own meanwhile.
+        connections = group_sockets.published_by(opened, published)
         with self._lock:
             self._group_connections = (a.round, connections)
 
@@ -647,15 +663,19 @@ class ElasticWorker:
         partition sends nothing, and NCCL often hangs rather than fails: without this the
         survivors would wait for the process-group timeout.
         """
-        a = self._assignment
-        if a is None or a.round != broken_round:
-            return  # already in a later round: its group is healthy
-        if self.backend == "nccl":
-            destroy_round_group(abort=True)  # abort the communicator; @run re-forms
-            return
         with self._lock:
+            # The round of the group that exists now, read under the lock: the main thread
+            # may have left the broken round and formed the next one since the heartbeat
+            # learned of it, and that group is healthy (reading ``_assignment`` instead
+            # could abort it).
             formed_in, connections = self._group_connections
-        # Checked under the lock against the connections themselves: the main thread may
-        # have formed the next round's group since the assignment was read above.
-        if formed_in == broken_round:
-            group_sockets.shut_down(connections)
+            if formed_in != broken_round:
+                return
+            if self.backend == "nccl":
+                # Aborted under the lock: the main thread marks the group gone under it
+                # before it destroys or replaces it, so the group aborted here is the
+                # broken round's. @run re-forms.
+                self._group_connections = (0, frozenset())
+                destroy_round_group(abort=True)
+                return
+        group_sockets.shut_down(connections)

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning_elastic.launcher.network import collective_interface_env
 from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
+from lightning_elastic.launcher.ray.sealed import KeyPair, Sealed, open_sealed
 from lightning_elastic import protocol
 
 # Output held for the driver before the child is made to wait (back pressure, as a pipe).
@@ -68,16 +69,23 @@ class WorkerAgent:
         self._status: int | None = None
         self._pid = 0
         self._dir: str | None = None  # scratch files of a function run only
+        self._key = KeyPair()  # the job secret comes sealed for it (see sealed.py)
+
+    def public_key(self) -> int:
+        """This actor's public value: the driver seals the job secret with it, so the
+        secret never crosses Ray's (unencrypted) RPC in clear."""
+        return self._key.public
 
     def start(
         self,
         command: Sequence[str],
         env: Mapping[str, str],
-        secret: str,
+        sealed_secret: Sealed,
         cwd: str,
         function: bytes | None = None,
     ) -> int:
         """Start the worker; returns its pid on this node. Raises OSError if it cannot start."""
+        secret = open_sealed(self._key, sealed_secret)
         child_env = {**os.environ, **env}
         child_env["PYTHONPATH"] = node_pythonpath(child_env.get("PYTHONPATH"))
         if "MASTER_ADDR" in child_env:  # collectives go out through the interface that reaches the driver

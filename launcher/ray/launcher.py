@@ -27,6 +27,7 @@ from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.ray.agent import OutputChunk, WorkerAgent
 from lightning_elastic.launcher.ray.nodes import RayNodeDiscovery
+from lightning_elastic.launcher.ray.sealed import seal
 from lightning_elastic.protocol import ENV_CUDA_DEVICE
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,9 @@ class RayProcess:
     def _run_and_relay(self) -> int:
         """Start the worker in the actor, relay its output; its exit status."""
         spec = self._spec
-        self._pid = ray.get(self._actor.start.remote(spec.command, spec.env, spec.secret, spec.cwd, self._function))
+        # The secret sealed for this actor's key: Ray's RPC is unencrypted (sealed.py).
+        sealed = seal(spec.secret, ray.get(self._actor.public_key.remote()))
+        self._pid = ray.get(self._actor.start.remote(spec.command, spec.env, sealed, spec.cwd, self._function))
         log.info("Worker %s runs as pid %d on Ray node %s.", spec.worker_id, self._pid, spec.host)
         while True:
             chunk: OutputChunk = ray.get(self._actor.read.remote(READ_WAIT))

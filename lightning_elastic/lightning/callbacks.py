@@ -18,9 +18,12 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
+from lightning_elastic.lightning import compat
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,16 @@ class ElasticCallback(Callback):
     of training (10 s; what a lost worker can make the others redo). Each rank paces
     itself: a new world resumes from the newest commit among its ranks. Pass an integer for
     commits on a fixed grid, 1 for a commit at every step.
+
+    Long phases between two training batches (a validation pass, ``on_train_epoch_end``)
+    are checked for host changes too, at each validation batch end, at the validation's end
+    and at the epoch's end, so that a joiner or a leaver is not kept waiting for a whole
+    validation pass. A change found there ends the fit attempt without rollback only if
+    every rank committed at the batch before the phase, so such a commit is taken at that
+    batch when it costs at most ``commit_budget`` of the last such phase's duration (always
+    before the first). The ranks agree (one small all-reduce as the phase starts) that each
+    has that commit and, for validation, the same number of validation batches (the checks
+    are collectives); otherwise a change waits for the next training batch, as before.
     """
 
     def __init__(
@@ -71,7 +84,13 @@ class ElasticCallback(Callback):
         self.commit_every_n_steps = commit_every_n_steps
         self.check_every_n_steps = check_every_n_steps
         self._pacer = CommitPacer(commit_budget, max_redo_seconds) if commit_every_n_steps is None else None
+        self.commit_budget = commit_budget
         self._last_step = 0  # the global step at the last batch end seen
+        self._committed_this_batch = False  # a commit at this training batch's end
+        self._last_commit_seconds: float | None = None
+        self._phase_started: float | None = None  # a long phase (validation, epoch end) runs
+        self._phase_seconds: float | None = None  # the last long phase's duration
+        self._phase_checks = False  # host checks agreed for the running validation pass
         self._world_size_shown = False
         self._metrics_logged = False  # elastic/* sent to the loggers in this fit attempt
 
@@ -88,10 +107,17 @@ class ElasticCallback(Callback):
         self._last_step = trainer.global_step  # a resumed fit starts at the commit's step
         self._world_size_shown = False
         self._metrics_logged = False
+        self._committed_this_batch = False
+        self._phase_started = self._phase_seconds = None
+        self._phase_checks = False
         if self._pacer is not None:
             self._pacer.start()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._committed_this_batch = False
+        if self._phase_started is not None:
+            self._phase_seconds = time.perf_counter() - self._phase_started
+            self._phase_started = None
         if not self._world_size_shown and self._is_committer(trainer):
             # Shown in the progress bar (rank 0), not sent to loggers. Once per fit attempt
             # (the world size changes only between attempts, and the bar keeps the value):
@@ -118,6 +144,13 @@ class ElasticCallback(Callback):
         if self._commit_due(last, step):
             self._commit(strategy, trainer)
             committed = True
+        if compat.long_phase_follows(trainer):
+            if not committed and self._phase_commit_worth_it():
+                # So that a host change found during the phase resumes from here.
+                self._commit(strategy, trainer)
+                committed = True
+            self._phase_started = time.perf_counter()
+        self._committed_this_batch = committed
         if step // self.check_every_n_steps > last // self.check_every_n_steps:
             try:
                 strategy.worker.check_host_updates()
@@ -137,12 +170,65 @@ class ElasticCallback(Callback):
         return step // n > last // n
 
     def _commit(self, strategy: Any, trainer: pl.Trainer) -> None:
-        if self._pacer is None:
-            strategy.take_commit(trainer)
-            return
         started = time.perf_counter()
         strategy.take_commit(trainer)
-        self._pacer.committed(trainer.global_step, started, time.perf_counter())
+        finished = time.perf_counter()
+        self._last_commit_seconds = finished - started
+        if self._pacer is not None:
+            self._pacer.committed(trainer.global_step, started, finished)
+
+    def _phase_commit_worth_it(self) -> bool:
+        """A commit before a long phase: at most ``commit_budget`` of the last one's time."""
+        if self._phase_seconds is None or self._last_commit_seconds is None:
+            return True
+        return self._last_commit_seconds <= self.commit_budget * self._phase_seconds
+
+    # ----- host checks in long phases (a validation pass, the epoch's end) -------------
+
+    def _in_fit(self, trainer: pl.Trainer) -> bool:
+        return (hasattr(trainer.strategy, "take_commit") and self._is_committer(trainer)
+                and trainer.state.fn == "fit" and not trainer.sanity_checking)
+
+    def _agree(self, trainer: pl.Trainer, val_batches: float = 0) -> bool:
+        """Collective: has every rank committed at the batch before this phase, and does
+        every rank run the same, finite number of validation batches?"""
+        if not dist.is_available() or not dist.is_initialized():
+            return False
+        count = int(val_batches) if math.isfinite(val_batches) else -1
+        flags = torch.tensor([count, -count, 0 if self._committed_this_batch else 1], dtype=torch.int64,
+                             device=trainer.strategy.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        most, fewest, missing = (int(v) for v in flags.tolist())
+        return most == -fewest and most >= 0 and missing == 0
+
+    def _check_in_phase(self, trainer: pl.Trainer) -> None:
+        # The commit of the batch before the phase is the live training state (a phase does
+        # not train): the interrupt loses nothing, and every rank raises at the same call.
+        trainer.strategy.worker.check_host_updates()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._phase_checks = False
+        if self._in_fit(trainer):
+            self._phase_checks = self._agree(trainer, sum(trainer.num_val_batches))
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._phase_checks:
+            self._check_in_phase(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        checks, self._phase_checks = self._phase_checks, False
+        if checks:
+            self._check_in_phase(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._in_fit(trainer) and self._agree(trainer):
+            self._check_in_phase(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._phase_started = None
 
     def on_elastic_reset(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_world_size: int, new_world_size: int

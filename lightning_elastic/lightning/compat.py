@@ -33,6 +33,7 @@ __all__ = [
     "fit_loop_state_dict",
     "forget_dataloaders",
     "is_fit_function",
+    "long_phase_follows",
     "logger_version",
     "loops_state_dict",
     "prepare_to_fit_again",
@@ -120,6 +121,19 @@ def _progress_state(progress: Any) -> dict[str, Any]:
 def batch_progress(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     """The training epoch loop's batch progress inside a checkpoint dict (mutable), if any."""
     return checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+
+
+def long_phase_follows(trainer: pl.Trainer) -> bool:
+    """Called at a training batch end: will a validation pass or the epoch's end run before
+    the next training batch? (Lightning decides validation in ``on_advance_end``, after the
+    batch-end hooks, with the same function asked here.)"""
+    try:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop.batch_progress.is_last_batch:
+            return True
+        return bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    except (AttributeError, TypeError):  # another Lightning: no checks in long phases
+        return False
 
 
 def prepare_to_fit_again(trainer: pl.Trainer) -> None:

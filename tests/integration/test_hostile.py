@@ -253,3 +253,49 @@ def test_hundreds_of_replacements_under_a_low_descriptor_limit(job: Job) -> None
     assert replacements >= 100, replacements
     assert "Errno 24" not in err and "Too many open files" not in err
 
+
+
+BLOCKED_IN_COLLECTIVE = r"""
+import os, sys, time
+import torch, torch.distributed as dist
+import lightning_elastic as le
+le.init()
+print(f"rank {le.rank()} pid {os.getpid()}", flush=True)
+if le.rank() == 0:
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins: blocked in gloo, in native code
+else:
+    while True:  # healthy: its heartbeats go on
+        time.sleep(0.1)
+"""
+
+
+def test_a_preempted_worker_blocked_in_a_collective_leaves_within_its_grace(job: Job) -> None:
+    # Before: the SIGTERM handler, a Python one, waits for the main thread to leave the
+    # collective (here 120 s), so the notice was never acted on and the grace never ran.
+    script = job.dir / "blocked.py"
+    script.write_text(BLOCKED_IN_COLLECTIVE)
+    job.start(["-np", "2", "--min-np", "1", "-H", f"{H1},{H2}", "--preemption-grace", "2",
+               "--collective-timeout", "120"], command=[sys.executable, str(script), str(job.events_dir)])
+    pid = int(wait_for(lambda: (m := re.search(r"rank 0 pid (\d+)", job.stdout())) and m.group(1), 60,
+                       "rank 0 started"))
+    wait_for(lambda: "rank 1 pid" in job.stdout(), 60, "rank 1 started")
+    worker = psutil.Process(pid)
+    # In the collective: its main thread asleep in the kernel, not running bytecode.
+    wait_for(lambda: worker.status() == psutil.STATUS_SLEEPING and worker.cpu_percent(0.2) < 20, 30,
+             "rank 0 blocked in the collective")
+    sent = time.monotonic()
+    worker.send_signal(signal.SIGTERM)
+    try:
+        code = worker.wait(timeout=20)
+    except psutil.TimeoutExpired:
+        raise AssertionError(f"rank 0 still running 20 s after SIGTERM:\n{job.stacks()}") from None
+    elapsed = time.monotonic() - sent
+    job.proc.send_signal(signal.SIGTERM)  # the rest of the job is not the point
+    job.wait(timeout=60)
+    err = job.stderr()
+    assert 2.0 <= elapsed < 6.0, (elapsed, err[-3000:])
+    said = job.stdout()  # the workers' output, forwarded by the driver
+    assert "SIGTERM received: leaving the job at the next host-update check (grace 2 s)" in said, said[-3000:]
+    assert "preemption grace of 2 s ran out before this worker could leave" in said
+    assert "exited with status 143 before it could leave on SIGTERM (preemption notice)" in err
+    assert not job.stray_processes()

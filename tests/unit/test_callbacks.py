@@ -211,3 +211,71 @@ def test_elastic_metrics_go_to_the_loggers_once_per_fit_attempt_from_rank_zero(g
             callback.on_train_batch_end(trainer, None, None, None, batch_idx)
     expected = {"elastic/world_size": 3.0, "elastic/resets": 2.0, "elastic/last_recovery_s": 0.125}
     assert logger.logged == ([(expected, 1), (expected, 4)] if global_zero else [])
+
+
+_FIT_WITH_VALIDATION = r"""
+import sys
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+import lightning_elastic as le
+from lightning_elastic import worker as worker_module
+
+checks = []  # (validating, global_step, step of the newest commit) at each host check
+original = worker_module.ElasticWorker.check_host_updates
+
+def counting(self):
+    committed = trainer.strategy.snapshot.committed()
+    checks.append((trainer.validating, trainer.global_step, committed.meta.global_step if committed else None))
+    return original(self)
+
+worker_module.ElasticWorker.check_host_updates = counting
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+val = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+trainer = pl.Trainer(strategy="elastic_hvd", accelerator="cpu", max_epochs=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0,
+                     callbacks=[le.ElasticCallback(commit_every_n_steps=100, commit_budget=float(sys.argv[1]))])
+trainer.fit(Module(), data, val)
+print(checks)
+"""
+
+
+@pytest.mark.parametrize(("budget", "epochs_checked"), [(1.0, 2), (1e-9, 1)], ids=["cheap", "too-costly"])
+def test_long_phases_are_checked_after_a_commit_of_the_batch_before_them(tmp_path, budget, epochs_checked):
+    # A real Trainer (a world of one): 4 training batches and 2 validation batches per
+    # epoch, commits on a grid of 100 steps (none falls before a validation pass). The
+    # commit before a phase is taken before the first, then only when it costs at most
+    # commit_budget of the last phase (never, at 1e-9).
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FIT_WITH_VALIDATION, str(budget)], capture_output=True, text=True,
+                          timeout=80, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    in_validation = [c for c in checks if c[0]]
+    # Per epoch checked: each validation batch end and the validation's end (3), then the
+    # epoch's end (1); every training batch end too (4 per epoch).
+    assert len(in_validation) == 3 * epochs_checked, checks
+    assert len(checks) == 2 * 4 + 4 * epochs_checked, checks
+    # Every check in a phase comes with a commit of the batch before it (steps 4 and 8):
+    # a change found there resumes from the live state.
+    assert {(step, committed) for _, step, committed in in_validation} == {(4, 4), (8, 8)} - (
+        set() if epochs_checked == 2 else {(8, 8)})

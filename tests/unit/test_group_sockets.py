@@ -6,6 +6,7 @@ Real loopback connections opened in this process stand in for gloo's.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 
 import pytest
@@ -207,3 +208,72 @@ def test_shut_down_checks_the_descriptor_still_belongs_to_the_connection(pairs, 
     assert shut_down({closed_side}) == 0
     reused.client.sendall(b"ok")
     assert reused.server.recv(10) == b"ok"
+
+
+# ----- a real gloo group formed through the real store, with another thread connecting --
+
+FORM_SCRIPT = """
+import datetime, json, socket, sys, threading
+from lightning_elastic import group_sockets
+from lightning_elastic.client import DriverClient
+from lightning_elastic.driver_store import DriverStore
+from lightning_elastic.process_group import BackendChoice, init_round_group
+import torch, torch.distributed as dist
+
+url, secret, rank, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+store = DriverStore(DriverClient(url, secret, f"w{rank}"), datetime.timedelta(seconds=20))
+unrelated = []
+# Another thread of the process (a logger, a data stream) connects while the group forms.
+other = threading.Thread(target=lambda: unrelated.append(socket.create_connection(("127.0.0.1", port), timeout=10)))
+before = group_sockets.established()
+with store.recording() as published:
+    other.start()
+    init_round_group(store, 1, rank, 2, BackendChoice("gloo", torch.device("cpu")), datetime.timedelta(seconds=20))
+    other.join(10)
+opened = group_sockets.new_connections(before, group_sockets.established(), {("127.0.0.1", int(url.rsplit(":", 1)[1]))})
+group = group_sockets.published_by(opened, published)
+mine = unrelated[0].getsockname()[:2], unrelated[0].getpeername()[:2]
+print(json.dumps({"opened": len(opened), "group": len(group), "unrelated_opened": mine in opened,
+                  "unrelated_in_group": mine in group}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_groups_connections_leave_out_one_another_thread_opened_during_formation():
+    import json
+    import subprocess
+    import sys
+
+    from lightning_elastic.launcher.registry import Registry
+    from lightning_elastic.launcher.rendezvous_server import RendezvousServer
+
+    secret = "cd" * 32
+    service = RendezvousServer(Registry(), secret)
+    service.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.listen(8)
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", FORM_SCRIPT, service.url, secret, str(rank),
+                                   str(listener.getsockname()[1])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for rank in range(2)]
+        outputs = [proc.communicate(timeout=25) for proc in procs]
+    finally:
+        listener.close()
+        service.close()
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    for out, _ in outputs:
+        seen = json.loads(out)
+        # The unrelated connection was new during the formation (the old rule cut it), but
+        # it goes to no address the ranks published; the group keeps its one peer connection.
+        assert seen == {"opened": 2, "group": 1, "unrelated_opened": True, "unrelated_in_group": False}, seen
+
+
+def test_published_by_finds_ipv4_and_ipv6_sockaddrs_inside_opaque_values():
+    v4 = b"\x02\x00\x00\x00" + struct.pack("!H", 35911) + socket.inet_pton(socket.AF_INET, "10.0.0.7") + b"\x00" * 8
+    v6 = (b"\x0a\x00" + struct.pack("!H", 4242) + b"\x00\x00\x00\x00"
+          + socket.inet_pton(socket.AF_INET6, "fd00::5") + b"\x00" * 4)
+    peer4 = (("10.0.0.1", 50000), ("10.0.0.7", 35911))  # this rank connected to a peer's listener
+    accepted4 = (("10.0.0.7", 35911), ("10.0.0.9", 50001))  # a peer connected to this rank's
+    peer6 = (("fd00::1", 50002), ("fd00::5", 4242))
+    other = (("10.0.0.1", 50003), ("10.0.0.7", 443))  # same host, another port
+    assert group_sockets.published_by({peer4, accepted4, peer6, other}, [v4, v6]) == {peer4, accepted4, peer6}

@@ -8,7 +8,9 @@ the actor wraps, exercised in this process with a real child.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -26,6 +28,7 @@ ray = pytest.importorskip("ray")
 
 from lightning_elastic.launcher.ray.agent import AUTOLOAD_DIR, WorkerAgent, node_pythonpath  # noqa: E402
 from lightning_elastic.launcher.ray.nodes import host_name, slots_on  # noqa: E402
+from lightning_elastic.launcher.ray.sealed import KeyPair, Sealed, SealError, open_sealed, seal  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -100,33 +103,60 @@ def read_to_end(agent: WorkerAgent, until: bytes | None = None) -> tuple[bytes, 
     return output, status
 
 
+def sealed_for(agent: WorkerAgent, secret: str = "s") -> Sealed:
+    return seal(secret, agent.public_key())
+
+
 def test_the_agent_relays_output_and_the_exit_status(tmp_path):
     agent = WorkerAgent()
     command = [sys.executable, "-c", "import os, sys; print('hello', os.environ['JOB_VALUE']); "
-               "print(sys.stdin.read() == ''); sys.exit(3)"]
-    pid = agent.start(command, {"JOB_VALUE": "42"}, "secret", str(tmp_path))
+               "print(sys.stdin.read() == ''); "
+               f"print(os.read(int(os.environ['{p.ENV_SECRET_FD}']), 100).decode()); sys.exit(3)"]
+    pid = agent.start(command, {"JOB_VALUE": "42"}, sealed_for(agent, "the-secret"), str(tmp_path))
     assert pid > 0
     output, status = read_to_end(agent)
     assert status == 3
-    assert output.decode().splitlines() == ["hello 42", "True"]
+    assert output.decode().splitlines() == ["hello 42", "True", "the-secret"]
+
+
+def test_the_secret_reaches_the_agent_sealed_and_opens_only_with_its_key():
+    # What crosses Ray's RPC: the actor's public value, then the sealed secret. Neither
+    # holds the secret; another actor's key cannot open it; a changed byte is refused.
+    agent = WorkerAgent()
+    secret = "ab" * 32
+    sealed = seal(secret, agent.public_key())
+    assert secret.encode() not in pickle.dumps((agent.public_key(), sealed))
+    assert secret not in repr(sealed)
+    assert open_sealed(agent._key, sealed) == secret
+    with pytest.raises(SealError):
+        open_sealed(KeyPair(), sealed)
+    tampered = dataclasses.replace(sealed, ciphertext=bytes([sealed.ciphertext[0] ^ 1]) + sealed.ciphertext[1:])
+    with pytest.raises(SealError):
+        open_sealed(agent._key, tampered)
+    with pytest.raises(SealError):
+        WorkerAgent().start([sys.executable, "-c", "pass"], {}, sealed, "/")
+    # Two seals of one secret share nothing (a fresh driver key each time).
+    again = seal(secret, agent.public_key())
+    assert again.public != sealed.public and again.ciphertext != sealed.ciphertext
 
 
 def test_the_agent_signals_the_workers_process_group(tmp_path):
     agent = WorkerAgent()
-    agent.start([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], {}, "s", str(tmp_path))
+    agent.start([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], {}, sealed_for(agent), str(tmp_path))
     assert read_to_end(agent, until=b"up\n") == (b"up\n", None)
     agent.signal(signal.SIGTERM)
     assert read_to_end(agent)[1] == -signal.SIGTERM
 
 
 def test_the_agent_raises_when_the_command_cannot_start(tmp_path):
+    agent = WorkerAgent()
     with pytest.raises(OSError):
-        WorkerAgent().start([str(tmp_path / "missing")], {}, "s", str(tmp_path))
+        agent.start([str(tmp_path / "missing")], {}, sealed_for(agent), str(tmp_path))
 
 
 def test_the_agent_runs_in_its_own_directory_when_the_drivers_is_missing(tmp_path):
     agent = WorkerAgent()
-    agent.start([sys.executable, "-c", "import os; print(os.getcwd())"], {}, "s", str(tmp_path / "not-here"))
+    agent.start([sys.executable, "-c", "import os; print(os.getcwd())"], {}, sealed_for(agent), str(tmp_path / "not-here"))
     output, status = read_to_end(agent)
     assert status == 0 and output.decode().strip() == os.getcwd()
 
@@ -142,7 +172,7 @@ def test_the_agent_replaces_the_drivers_autoload_with_the_nodes_own(tmp_path):
     users = tmp_path / "users-code"
     env = {"PYTHONPATH": os.pathsep.join([str(driver_autoload), str(users)]), p.ENV_DRIVER_URL: "http://127.0.0.1:9"}
     agent = WorkerAgent()
-    agent.start([sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"], env, "s", str(tmp_path))
+    agent.start([sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"], env, sealed_for(agent), str(tmp_path))
     output, status = read_to_end(agent)
     assert status == 0, output
     assert output.decode().splitlines() == [os.pathsep.join([AUTOLOAD_DIR, str(users)])]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import logging
 import re
 import secrets
 import socket
@@ -487,7 +488,7 @@ def test_client_accepts_a_reply_signed_for_its_request():
     _ask(FakeDriver(_good))  # the control for the tampered replies below
 
 
-@pytest.mark.parametrize("version", [None, "1", "2", "4"])
+@pytest.mark.parametrize("version", [None, "1", "2", "3", "5"])
 def test_client_refuses_a_driver_of_another_protocol_version_saying_so(version):
     said = "an older protocol (no version)" if version is None else f"protocol version {version}"
     with pytest.raises(RendezvousError, match=rf"the driver speaks {re.escape(said)} and the worker version "
@@ -495,7 +496,7 @@ def test_client_refuses_a_driver_of_another_protocol_version_saying_so(version):
         _ask(FakeDriver(_good, version=version))
 
 
-@pytest.mark.parametrize("version", [None, "1", "2", "4"])
+@pytest.mark.parametrize("version", [None, "1", "2", "3", "5"])
 def test_driver_refuses_a_worker_of_another_protocol_version_saying_so(server, w, rejected, version):
     body = p.to_json(heartbeat(w[0]))
     headers = sign(p.PATH_HEARTBEAT, body)
@@ -664,6 +665,29 @@ def test_finished_worker_is_409(server, registry, w):
     with registry.cond:
         registry.workers[w[0]].state = WorkerState.DONE
     assert post(server, p.PATH_REPORT, p.Report(w[0], 1, p.Outcome.DONE)).status_code == 409
+
+
+def test_a_heartbeat_answered_after_its_worker_finished_is_no_rejection_nor_warning(caplog):
+    # The worker's last heartbeat crossed its exit: routine at the end of every job. A fresh
+    # server: the shared one may be inside its rejection log's quiet interval.
+    registry = Registry()
+    with registry.cond:
+        registry.add_worker("done#0", SlotKey("127.0.0.1", 0)).state = WorkerState.DONE
+    srv = RendezvousServer(registry, SECRET)
+    srv.start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="lightning_elastic"):
+            r = post(srv, p.PATH_HEARTBEAT, heartbeat("done#0"))
+        assert r.status_code == 409 and signed_by_driver(r)
+        assert srv.rejected == 0 and srv.late_requests == 1
+        assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
+        # A worker the driver never knew is still a rejection, said at once.
+        with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+            assert post(srv, p.PATH_HEARTBEAT, heartbeat("ghost")).status_code == 409
+        assert srv.rejected == 1
+        assert any("'ghost'" in rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING)
+    finally:
+        srv.close()
 
 
 def test_rejections_are_counted_and_successes_are_not(server, w, rejected):

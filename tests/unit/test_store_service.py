@@ -14,10 +14,11 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import requests
 from lightning_elastic.launcher.registry import Registry
 from lightning_elastic.launcher.rendezvous_server import RendezvousServer
 from lightning_elastic.launcher.long_poll import LongPoll
-from lightning_elastic.launcher.store_service import MAX_KEYS, KeyValueStore
+from lightning_elastic.launcher.store_service import MAX_KEYS, MAX_REMEMBERED, KeyValueStore
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.driver_store import DriverStore
@@ -139,6 +140,44 @@ def test_a_write_wakes_only_the_gets_waiting_for_its_key():
     assert all(isinstance(poll, LongPoll) for poll in polls)
 
 
+def test_a_write_sent_again_with_its_request_id_is_answered_not_applied_again():
+    # A retry after a lost reply: the same ADD or APPEND must count once.
+    kv = KeyValueStore()
+    add = req(p.StoreOp.ADD, "c", amount="1", request_id="r1")
+    assert kv.handle(add) == kv.handle(add) == p.StoreReply(True, b64(b"1"))
+    append = req(p.StoreOp.APPEND, "a", value=b64(b"x"), request_id="r2")
+    kv.handle(append)
+    kv.handle(append)
+    assert base64.b64decode(kv.handle(req(p.StoreOp.GET, "a")).value) == b"x"
+    # A new id is a new operation; another worker's id is its own.
+    kv.handle(req(p.StoreOp.ADD, "c", amount="1", request_id="r3"))
+    kv.handle(p.StoreRequest("other", p.StoreOp.ADD, "c", amount="1", request_id="r3"))
+    assert base64.b64decode(kv.handle(req(p.StoreOp.GET, "c")).value) == b"3"
+
+
+def test_remembered_replies_are_bounded_by_the_number_of_workers():
+    kv = KeyValueStore()
+    for n in range(MAX_REMEMBERED + 10):
+        kv.handle(p.StoreRequest(f"w{n}", p.StoreOp.SET, "k", value=b64(b"v"), request_id="r"))
+    assert len(kv._answered) == MAX_REMEMBERED and "w0" not in kv._answered
+
+
+def test_the_keys_of_rounds_two_behind_the_newest_are_deleted():
+    kv = KeyValueStore()
+    for round_number in (1, 2, 3):
+        for rank in range(2):
+            kv.handle(req(p.StoreOp.SET, f"{p.STORE_ROUND_PREFIX}{round_number}/{rank}", value=b64(b"addr")))
+    kv.handle(req(p.StoreOp.SET, "unrelated", value=b64(b"kept")))
+    present = {k for k in kv._data}
+    assert present == {"lightning_elastic/round/2/0", "lightning_elastic/round/2/1",
+                       "lightning_elastic/round/3/0", "lightning_elastic/round/3/1", "unrelated"}
+    # A straggler writing into a forgotten round is kept only until the next round forms.
+    kv.handle(req(p.StoreOp.SET, f"{p.STORE_ROUND_PREFIX}1/0", value=b64(b"late")))
+    kv.handle(req(p.StoreOp.ADD, f"{p.STORE_ROUND_PREFIX}4/n", amount="1"))
+    assert kv.size == 4 and set(kv._data) == {"lightning_elastic/round/3/0", "lightning_elastic/round/3/1",
+                                              "lightning_elastic/round/4/n", "unrelated"}
+
+
 # ----- worker side, through the real signed service ----------------------------------
 
 
@@ -166,6 +205,38 @@ def test_driver_store_speaks_torch_store_api(service):
     store.wait(["n"])
     store.set("m", b"x")
     assert store.multi_get(["m", "n"]) == [b"x", b"5"]
+
+
+class LosesFirstReply:
+    """The real session, but the first reply is lost after the driver applied the request
+    (as a reset connection or a read timeout loses it)."""
+
+    def __init__(self, session: requests.Session) -> None:
+        self._session = session
+        self.lost = 0
+
+    def post(self, *args: object, **kwargs: object) -> requests.Response:
+        response = self._session.post(*args, **kwargs)  # type: ignore[arg-type]
+        if self.lost == 0:
+            self.lost += 1
+            raise requests.ConnectionError("connection reset by peer")
+        return response
+
+    def close(self) -> None:
+        self._session.close()
+
+
+@pytest.mark.parametrize("op", ["add", "append"])
+def test_a_write_retried_after_a_lost_reply_applies_once(service, op):
+    store = store_for(service)
+    lossy = LosesFirstReply(store._client._session)
+    store._client._session = lossy  # type: ignore[assignment]
+    if op == "add":
+        assert store.add("n", 5) == 5
+    else:
+        store.append("n", b"x")
+    assert lossy.lost == 1
+    assert store_for(service).get("n") == (b"5" if op == "add" else b"x")
 
 
 def test_multi_get_waits_for_a_peer_and_wait_of_a_missing_key_fails_as_a_collective_error(service):

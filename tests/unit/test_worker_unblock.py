@@ -1,11 +1,17 @@
-"""A round's lost member cuts that round's gloo connections, never a later round's."""
+"""A round's lost member cuts that round's gloo connections (or aborts its NCCL
+communicator), never a later round's.
+
+NCCL: no GPU here, so only the decision is tested (which group, under the lock), with the
+abort itself replaced."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_elastic import protocol as p
 from lightning_elastic import worker as worker_module
+from lightning_elastic.process_group import BackendChoice
 from lightning_elastic.worker import ElasticWorker
 
 ROUND_1_CONNECTIONS = frozenset({(("127.0.0.1", 1000), ("127.0.0.1", 2000))})
@@ -47,3 +53,47 @@ def test_the_next_rounds_group_formed_after_the_assignment_was_read_is_left_alon
     w._group_connections = (2, ROUND_2_CONNECTIONS)
     w._unblock_collectives(1)
     assert cut == []
+
+
+# ----- NCCL: decisions only (there is no GPU here; the abort itself is faked) -------------
+
+
+@pytest.fixture
+def aborts(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each destroy of the NCCL group, recorded with its abort flag."""
+    calls: list[bool] = []
+    monkeypatch.setattr(worker_module, "destroy_round_group", lambda abort=False: calls.append(abort))
+    return calls
+
+
+def nccl_worker(assigned: int, formed_in: int) -> ElasticWorker:
+    w = ElasticWorker(None)
+    w._backend = BackendChoice("nccl", torch.device("cpu"))  # the device is not touched
+    w._assignment = assignment(assigned)
+    w._group_connections = (formed_in, frozenset())
+    return w
+
+
+def test_nccl_aborts_the_broken_rounds_group_under_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = nccl_worker(assigned=1, formed_in=1)
+    held: list[bool] = []
+    monkeypatch.setattr(worker_module, "destroy_round_group", lambda abort=False: held.append(abort and w._lock.locked()))
+    w._unblock_collectives(1)
+    assert held == [True]
+    assert w._group_connections[0] == 0  # aborted once: a second heartbeat leaves it alone
+    w._unblock_collectives(1)
+    assert held == [True]
+
+
+def test_nccl_leaves_the_next_rounds_group_formed_after_the_assignment_was_read(aborts: list[bool]) -> None:
+    # Before: the abort went by the assignment (round 1, read without the lock) and aborted
+    # round 2's healthy communicator.
+    nccl_worker(assigned=1, formed_in=2)._unblock_collectives(1)
+    assert aborts == []
+
+
+def test_nccl_leaves_alone_a_group_being_destroyed_or_not_yet_formed(aborts: list[bool]) -> None:
+    w = nccl_worker(assigned=1, formed_in=1)
+    w._forget_group()  # what reset() and shutdown() do first
+    w._unblock_collectives(1)
+    assert aborts == []
