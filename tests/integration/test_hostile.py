@@ -286,7 +286,7 @@ def test_a_preempted_worker_blocked_in_a_collective_leaves_within_its_grace(job:
     sent = time.monotonic()
     worker.send_signal(signal.SIGTERM)
     try:
-        code = worker.wait(timeout=20)
+        worker.wait(timeout=20)
     except psutil.TimeoutExpired:
         raise AssertionError(f"rank 0 still running 20 s after SIGTERM:\n{job.stacks()}") from None
     elapsed = time.monotonic() - sent

@@ -196,8 +196,6 @@ def test_init_arguments_override_the_launchers_environment(tmp_path):
 
 
 def make_state(worker, scale: float = 1.0):
-    from tests.unit.fakes import FakeWorker  # noqa: F401 - the worker given is one
-
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * scale)

@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
 from lightning_elastic.sampler import ElasticSampler
