@@ -176,6 +176,9 @@ class SshProcess:
             return -signal.SIGKILL
         return self._proc.returncode
 
+    def _on_report(self, verb: str, value: str) -> None:
+        """A supervisor report beyond exit and error (``started PID``; under Slurm, ``step``)."""
+
     def _read_control(self) -> None:
         assert self._proc.stderr is not None
         for raw in iter(self._proc.stderr.readline, b""):
@@ -186,6 +189,8 @@ class SshProcess:
                     self._status = int(value)
                 elif verb == "error":
                     self._stderr.append(value)
+                else:
+                    self._on_report(verb, value)
                 log.debug("Supervisor on %s: %s", self._host, line)
             elif line:
                 self._stderr = [*self._stderr[-STDERR_KEPT:], line]

@@ -259,7 +259,7 @@ def variable_not_a_flag(d: Path):
 def variables_give_two_host_sources(d: Path):
     env = {"LIGHTNING_ELASTIC_HOSTS": "localhost:1", "LIGHTNING_ELASTIC_RAY": "auto"}
     return ["launch", PYTHON, "-c", "pass"], env, Line(
-        "{names}: give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script or --ray",
+        "{names}: give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script, --ray or --slurm",
         {"names": "LIGHTNING_ELASTIC_HOSTS, LIGHTNING_ELASTIC_RAY"})
 
 

@@ -84,7 +84,7 @@ def test_devices_asking_for_several_processes_are_said_to_be_ignored(api):
 def test_num_nodes_is_said_to_be_ignored(api):
     assert build(api, num_nodes=2) == [
         f'lightning-elastic: strategy="elastic_hvd" ignores {api}(num_nodes=2): the hosts are lightning-elastic '
-        "launch's (-H, --hostfile, --host-discovery-script or --ray; the job has 1 process(es) now). "
+        "launch's (-H, --hostfile, --host-discovery-script, --ray or --slurm; the job has 1 process(es) now). "
         "Leave num_nodes out."
     ]
 
