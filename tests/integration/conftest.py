@@ -121,9 +121,12 @@ def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
 
 
 @pytest.fixture
-def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+def slurm(slurm_cluster: SlurmCluster, request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
     """The session's cluster, with no job left and every node back up after each test."""
     yield slurm_cluster
+    call = getattr(request.node, "report_call", None)
+    if call is not None and call.failed:
+        request.node.add_report_section("teardown", "slurm", slurm_cluster.logs())
     slurm_cluster.cancel_all()
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
+from tests.integration import test_lightning as lightning
 from tests.integration.harness import LAUNCHER, Job, assert_epochs_complete, assert_replicas_identical
 from tests.integration.slurm_cluster import SlurmCluster, job_nodes
 from tests.integration.test_multi_machine import (
@@ -27,6 +29,7 @@ from tests.integration.test_multi_machine import (
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
 STEADY = ["--step-delay", "0.05", "--samples", "192", "--batch-size", "8", "--commit-every", "2"]
+SLOW = ["--step-delay", "0.25", *STEADY[2:]]
 HEARTBEAT_TIMEOUT = 4.0
 
 
@@ -116,3 +119,56 @@ def test_slurm_outside_an_allocation_is_one_line(tmp_path) -> None:
         "lightning-elastic: error: --slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set): run it in "
         "an sbatch script or under salloc"
     ]
+
+
+@pytest.mark.timeout(180)
+def test_lightning_under_slurm_keeps_the_elastic_ranks_through_a_killed_worker(job: Job, slurm: SlurmCluster) -> None:
+    # Each step says SLURM_PROCID=0, SLURM_NTASKS=1: Lightning must not take those for the
+    # job's ranks (each worker would train alone as rank 0 of 1).
+    nodes = slurm.nodes[:3]
+    job_id = slurm.allocate(nodes)
+    command = [sys.executable, str(lightning.EXAMPLE), "--events", str(job.events_dir),
+               "--log-dir", str(job.dir / "logs"), "--samples", str(lightning.SAMPLES),
+               "--batch-size", str(lightning.BATCH), "--epochs", str(lightning.EPOCHS), "--lr", str(lightning.LR),
+               "--commit-every", "2", "--step-delay", "0.03"]
+    job.start(["--slurm", "-np", "3", "--min-np", "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)],
+              command=command, env={**slurm.env, "SLURM_JOB_ID": job_id})
+    job.wait_steps(7, timeout=120)
+    first = [e for e in job.events("step") if e["round"] == 1]
+    assert {e["rank"] for e in first} == {0, 1, 2} and {e["size"] for e in first} == {3}
+    victim = lightning.pid_of(job, nodes[1])
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait(150) == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [3, 2]
+    survivors = {e["pid"] for e in job.events("start")} - {victim}
+    assert {e["pid"] for e in job.events("done")} == survivors  # same processes, no restart
+    history = lightning.assert_exactly_once(job)
+    lightning.assert_final_state(job, history, start_size=3, end_size=2)
+    lightning.assert_replicas_identical_after_resets(job)
+
+
+@pytest.mark.timeout(150)
+def test_a_second_allocations_node_joins_the_running_job(job: Job, slurm: SlurmCluster) -> None:
+    # Capacity on Slurm arrives as another job: held until the elastic job trains, then
+    # released, it starts on its node, and the elastic job grows onto it.
+    n1, n2, n3 = slurm.nodes[:3]
+    job_id = slurm.allocate([n1, n2])
+    out = slurm.run(["sbatch", "--hold", "--no-kill", "-N1", "-w", n3, "-J", "le-more", "-o", "/dev/null",
+                     "--wrap", "sleep 600"]).stdout
+    second = out.split()[-1]
+    assert second.isdigit(), out
+    job.start(["--slurm", "--slurm-jobs", second, "-np", "2", "--min-np", "1", "--max-np", "3",
+               "--discovery-interval", "0.2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)],
+              [*SLOW, "--epochs", "4"], env={**slurm.env, "SLURM_JOB_ID": job_id})
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    slurm.run(["scontrol", "release", second])
+    assert job.wait(120) == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert job.world_sizes()[:2] == [2, 3], err[-3000:]
+    assert "failures:      0" in err
+    joiner = [e for e in job.events("synced") if e["worker"].startswith(n3)]
+    assert joiner and joiner[0]["round"] == 2
+    assert synced_step(job, 2) == last_step_before_round(job, 2)  # nothing rolled back
+    assert_epochs_complete(job, 4)
+    assert_replicas_identical(job)
