@@ -98,7 +98,9 @@ def test_scancel_signal_term_on_a_step_is_a_graceful_leave(job: Job, slurm: Slur
     # SIGTERM to every process of the step. The worker leaves; nothing is rolled back.
     job_id, (n1, n2, n3) = start_in_allocation(job, slurm, epochs=3)
     step = next(s for s, node in slurm.steps(job_id).items() if node == n2)
-    slurm.run(["scancel", "--signal=TERM", step])
+    # Slurm 22.05's scancel delivers a step's signal and then exits 225 ("Invalid job id
+    # specified") all the same: what the worker did is the test, not scancel's status.
+    slurm.run(["scancel", "--signal=TERM", step], check=False)
     assert job.wait(90) == 0, job.stderr()[-3000:]
     err = job.stderr()
     assert f"Worker {n2}[0]#1 left the job on SIGTERM (preemption notice); host {n2} stays usable." in err
