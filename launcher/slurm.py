@@ -27,7 +27,7 @@ from lightning_elastic.launcher.hosts import HostSlots
 
 log = logging.getLogger(__name__)
 
-JOB_ID = re.compile(r"\d+(_\d+)?")  # 123, or an array task 123_4
+JOB_ID = re.compile(r"\d+")  # the raw id, as SLURM_JOB_ID gives it (an array task's too)
 TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")  # one entry of SLURM_TASKS_PER_NODE: 2 or 2(x3)
 
 
@@ -92,7 +92,10 @@ class SlurmDiscovery:
     _slots: dict[str, int] | None = None  # node -> tasks of this allocation, from its environment
 
     def discover(self) -> list[HostSlots]:
-        out = self._run(["squeue", "-h", "-t", "RUNNING", "-j", ",".join(self.settings.job_ids), "-o", "%i %N"])
+        # This user's running jobs, filtered here: `squeue -j` fails as a whole once one of
+        # the ids is purged (a second allocation that ended), which would blind discovery to
+        # the others. %A is the raw job id, as SLURM_JOB_ID gives it (array tasks included).
+        out = self._run(["squeue", "-h", "--me", "-t", "RUNNING", "-o", "%A %N"])
         by_job: dict[str, list[str]] = {}
         for line in out.splitlines():
             job, _, nodelist = line.strip().partition(" ")

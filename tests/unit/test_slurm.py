@@ -76,7 +76,8 @@ def test_cli_slurm_defaults_np_to_the_allocations_tasks_and_is_a_host_source(tmp
 def test_discovery_lists_running_jobs_nodes_in_order_with_their_slots_and_jobs(tmp_path, monkeypatch):
     fake_tools(
         tmp_path, monkeypatch,
-        squeue='echo "8 m1"; echo "7 n[1-2]"',
+        # Another job of this user's (9) is not ours: left out.
+        squeue=f'echo "$@" > {tmp_path / "squeue.args"}; echo "8 m1"; echo "9 x1"; echo "7 n[1-2]"',
         scontrol='[ "$1 $2" = "show hostnames" ] || exit 1; echo "$3" | sed "s/n\\[1-2\\]/n1 n2/" | tr " " "\\n"',
     )
     nodes = SlurmNodes("7")
@@ -84,6 +85,8 @@ def test_discovery_lists_running_jobs_nodes_in_order_with_their_slots_and_jobs(t
     found = SlurmDiscovery(settings, nodes).discover()
     assert found == [HostSlots("n1", 2), HostSlots("n2", 3), HostSlots("m1", 1)]
     assert (nodes.job_of("n2"), nodes.job_of("m1"), nodes.job_of("unknown")) == ("7", "8", "7")
+    # Never `-j IDS`: squeue fails as a whole once one of them is purged.
+    assert (tmp_path / "squeue.args").read_text().split() == ["-h", "--me", "-t", "RUNNING", "-o", "%A", "%N"]
 
 
 def test_a_failing_squeue_is_a_discovery_error_with_its_message(tmp_path, monkeypatch):
