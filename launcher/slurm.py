@@ -89,7 +89,8 @@ class SlurmDiscovery:
     settings: SlurmSettings
     nodes: SlurmNodes
     timeout: float = 30.0  # of one Slurm command (--discovery-timeout)
-    _slots: dict[str, int] | None = None  # node -> tasks of this allocation, from its environment
+    # node -> tasks of this allocation, from its environment; expanded at the first discovery
+    _slots: dict[str, int] | None = dataclasses.field(default=None, init=False)
 
     def discover(self) -> list[HostSlots]:
         # This user's running jobs, filtered here: `squeue -j` fails as a whole once one of

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO
 
 from lightning_elastic.launcher.errors import StartError
@@ -129,7 +129,7 @@ class SlurmLauncher:
         self._scancel.close()
 
 
-def step_environment(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+def step_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The driver's environment for srun, without what would make srun misread its request:
     the batch step's task layout (SLURM_NTASKS_PER_NODE=4 against --ntasks=1 is an error)."""
     dropped = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
