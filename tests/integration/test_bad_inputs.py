@@ -263,6 +263,12 @@ def variables_give_two_host_sources(d: Path):
         {"names": "LIGHTNING_ELASTIC_HOSTS, LIGHTNING_ELASTIC_RAY"})
 
 
+def slurm_outside_an_allocation(d: Path):
+    return ["launch", "--slurm", "-np", "2", PYTHON, "-c", "pass"], {"SLURM_JOB_ID": ""}, Line(
+        "--slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set): run it in an sbatch script or under "
+        "salloc", {})
+
+
 def only_host_does_not_resolve(d: Path):  # found by the driver, before any worker started
     return ["launch", "-H", f"{UNRESOLVABLE}:1", PYTHON, "-c", "pass"], {}, Line(
         "no host name resolves ({hosts}): check the names, DNS or /etc/hosts (for an ssh config alias pass "
@@ -275,7 +281,7 @@ INVALID: list[Case] = [
     driver_address_foreign, driver_address_not_ipv4, network_interface_unknown, discovery_script_is_a_directory,
     hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
     discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,
-    only_host_does_not_resolve,
+    slurm_outside_an_allocation, only_host_does_not_resolve,
 ]
 
 
