@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_elastic import __version__
 from lightning_elastic.launcher.command import check_command, check_script, with_python
-from lightning_elastic.launcher.config import LaunchConfig, RaySettings, SshSettings, Timeouts
+from lightning_elastic.launcher.config import LaunchConfig, RaySettings, SlurmSettings, SshSettings, Timeouts
 from lightning_elastic.launcher.discovery import SCRIPT_TIMEOUT
 from lightning_elastic.launcher.driver import launch
 from lightning_elastic.launcher.errors import ConfigError
@@ -32,7 +32,7 @@ PROG = "lightning-elastic"
 ENV_PREFIX = "LIGHTNING_ELASTIC_"
 # The host sources, one of which a job has: one given on the command line overrides every
 # source in the environment (not only its own variable). The same for the driver's address.
-SOURCES = ("host_discovery_script", "hosts", "hostfile", "ray")
+SOURCES = ("host_discovery_script", "hosts", "hostfile", "ray", "slurm")
 ALTERNATIVES = (SOURCES, ("driver_address", "network_interface"))
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run on a Ray cluster: its alive nodes are the hosts, each worker a Ray actor; "
                              "ADDRESS as ray.init takes it (auto, HOST:PORT), or local for a private one-node Ray "
                              "(needs the ray extra)")
+    source.add_argument("--slurm", action="store_true",
+                        help="run inside a Slurm allocation (sbatch, salloc): its nodes are the hosts, each worker "
+                             "an srun step; a node that leaves the allocation leaves the job")
+    run.add_argument("--slurm-jobs", metavar="JOBID[,JOBID...]",
+                     help="with --slurm: the nodes of these other allocations are hosts too, once they run "
+                          "(capacity that arrives as a second job)")
     run.add_argument("--slots-per-host", "--slots", type=int, metavar="S",
                      help="slots of a discovered host that gives no count")
     run.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -181,14 +187,18 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.slots_per_host is not None and args.slots_per_host < 1:
         raise ConfigError(f"--slots-per-host: must be at least 1, got {args.slots_per_host}")
     ray = ray_settings(args)
+    slurm = slurm_from_args(args)
     np_ = args.np
     if np_ is None:
         if script is not None:
             raise ConfigError("-np: required with --host-discovery-script")
         if ray is not None:
             raise ConfigError("-np: required with --ray")
-        np_ = count_slots(hosts) if hosts is not None else 1
-    if hosts is None and script is None and ray is None:
+        if slurm is not None:
+            np_ = slurm_slots(slurm, os.environ)
+        else:
+            np_ = count_slots(hosts) if hosts is not None else 1
+    if hosts is None and script is None and ray is None and slurm is None:
         hosts = [HostSlots("localhost", np_)]
     if script is not None and not (script.is_file() and os.access(script, os.X_OK)):
         raise ConfigError(f"--host-discovery-script: {script} is not an executable file")
@@ -224,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         hosts=tuple(hosts) if hosts is not None else None,
         discovery_script=script,
         ray=ray,
+        slurm=slurm,
         slots_per_host=args.slots_per_host,
         elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit,
@@ -297,6 +308,25 @@ def ray_settings(args: argparse.Namespace) -> RaySettings | None:
     )
 
 
+def slurm_from_args(args: argparse.Namespace) -> SlurmSettings | None:
+    if not args.slurm:
+        if args.slurm_jobs is not None:
+            raise ConfigError("--slurm-jobs: only with --slurm")
+        return None
+    from lightning_elastic.launcher.slurm import slurm_settings  # noqa: PLC0415
+
+    return slurm_settings(os.environ, args.slurm_jobs, args.slots_per_host)
+
+
+def slurm_slots(slurm: SlurmSettings, environ: Mapping[str, str]) -> int:
+    """-np's default under --slurm: the allocation's tasks (its nodes times --slots-per-host)."""
+    if slurm.slots_per_host is not None and environ.get("SLURM_JOB_NUM_NODES", "").strip().isdigit():
+        return slurm.slots_per_host * int(environ["SLURM_JOB_NUM_NODES"])
+    if slurm.tasks_per_node:
+        return sum(slurm.tasks_per_node)
+    raise ConfigError("-np: required with --slurm when the allocation's SLURM_TASKS_PER_NODE is not set")
+
+
 def resolve_env(entry: str) -> tuple[str, str]:
     """``NAME=VALUE`` as given; ``NAME`` takes the driver's own value, which must exist."""
     name, sep, value = entry.partition("=")
@@ -350,10 +380,11 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         if given & set(group):
             for dest in group:
                 from_environment.pop(dest, None)
-    sources = [name for dest, (name, _) in from_environment.items() if dest in SOURCES]
+    # A flag set false (LIGHTNING_ELASTIC_SLURM=0) is no source.
+    sources = [name for dest, (name, value) in from_environment.items() if dest in SOURCES and value is not False]
     if len(sources) > 1:
         raise ConfigError(f"{', '.join(sources)}: give exactly one host source: -H/--hosts, --hostfile, "
-                          "--host-discovery-script or --ray")
+                          "--host-discovery-script, --ray or --slurm")
     for dest, (_, value) in from_environment.items():
         setattr(args, dest, value)
     return args

@@ -135,6 +135,21 @@ class RaySettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlurmSettings:
+    """Slurm allocations as the host source (--slurm): their nodes are the hosts, each worker
+    an srun step on its node."""
+
+    job_ids: tuple[str, ...]  # this allocation (SLURM_JOB_ID) first, then --slurm-jobs
+    slots_per_host: int | None = None  # --slots-per-host; None: the allocation's tasks per node
+    tasks_per_node: tuple[int, ...] = ()  # SLURM_TASKS_PER_NODE, expanded: one count per node
+    nodelist: str = ""  # SLURM_JOB_NODELIST, the nodes those counts are of
+
+    def __post_init__(self) -> None:
+        if not self.job_ids:
+            raise ConfigError("--slurm: no Slurm job to run in")
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     command: tuple[str, ...]
     np: int
@@ -147,6 +162,7 @@ class LaunchConfig:
     spares: int = 0
     discovery_script: Path | None = None
     ray: RaySettings | None = None  # --ray: the hosts are a Ray cluster's nodes
+    slurm: SlurmSettings | None = None  # --slurm: the hosts are Slurm allocations' nodes
     slots_per_host: int | None = None
     elastic_timeout: float = 600.0
     reset_limit: int | None = None
@@ -202,9 +218,10 @@ class LaunchConfig:
                 f"-np {self.np}: the fixed host list {listed} has {count_slots(self.hosts)} slot(s) and can never "
                 "grow; give more hosts, a smaller -np, or a --host-discovery-script"
             )
-        sources = (self.hosts, self.discovery_script, self.ray)
+        sources = (self.hosts, self.discovery_script, self.ray, self.slurm)
         if sum(source is not None for source in sources) != 1:
-            raise ConfigError("give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script or --ray")
+            raise ConfigError("give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script, "
+                              "--ray or --slurm")
         # Written as "not > 0" so NaN fails too (every comparison with NaN is False); inf is
         # allowed: it means wait for slots for ever.
         if not self.elastic_timeout > 0:

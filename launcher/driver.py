@@ -1050,6 +1050,20 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
 
         with ray_backend(config, sink) as backend:
             result = run_driver(Driver(backend.config, backend.nodes, backend.launcher, backend.nodes.is_local))
+    elif config.slurm is not None:
+        from lightning_elastic.launcher.processes.slurm import SlurmLauncher  # noqa: PLC0415 - only when asked
+        from lightning_elastic.launcher.slurm import SlurmDiscovery, SlurmNodes  # noqa: PLC0415
+
+        # Every worker is an srun step, on this node too: a step is what Slurm accounts,
+        # signals and cleans up with the allocation.
+        classifier = HostClassifier()
+        nodes = SlurmNodes(config.slurm.job_ids[0])
+        slurm_launcher = SlurmLauncher(nodes, sink)
+        try:
+            result = run_driver(Driver(config, SlurmDiscovery(config.slurm, nodes, config.timeouts.discovery),
+                                       slurm_launcher, classifier.is_local, resolves=classifier.resolves))
+        finally:
+            slurm_launcher.close()
     else:
         classifier = HostClassifier()
         ssh = SshLauncher(config.ssh, sink, state_dir)

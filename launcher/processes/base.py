@@ -2,7 +2,7 @@
 
 The driver decides *which* workers run and when; a ``WorkerLauncher`` only starts one from
 a ``WorkerSpec`` and hands back a ``WorkerProcess`` to poll, signal and reap. Local
-subprocesses and ssh are the two implementations here; a cluster engine (Ray) or a
+subprocesses, ssh and Slurm steps are the implementations here; a cluster engine (Ray) or a
 simulation plugs in the same way without touching the driver's decisions.
 """
 

@@ -215,6 +215,9 @@ class SshProcess:
             return -signal.SIGKILL
         return self._proc.returncode
 
+    def _on_report(self, verb: str, value: str) -> None:
+        """A supervisor report beyond exit and error (``started PID``; under Slurm, ``step``)."""
+
     def _read_control(self) -> None:
         assert self._proc.stderr is not None
         for raw in iter(self._proc.stderr.readline, b""):
@@ -228,6 +231,8 @@ class SshProcess:
                     self.adoptable, self.output_base = (pid, ticks), base
                 elif verb == "error":
                     self._stderr.append(value)
+                else:
+                    self._on_report(verb, value)
                 log.debug("Supervisor on %s: %s", self._host, line)
             elif line:
                 self._stderr = [*self._stderr[-STDERR_KEPT:], line]

@@ -10,7 +10,11 @@ The driver runs this through ssh and talks to it over the connection:
 - stdout: the worker's own output (stdout and stderr), untouched;
 - stderr: ``lightning-elastic-supervisor: started PID`` and ``... exit STATUS`` lines
   (STATUS as ``Popen.returncode``: negative for a signal), so the driver can tell the
-  worker's exit from an ssh failure (ssh's own errors also arrive on stderr).
+  worker's exit from an ssh failure (ssh's own errors also arrive on stderr); in an srun
+  step also ``... step JOB.STEP``, the step's id.
+
+The same runs as an srun step under ``--slurm`` (``processes/slurm.py``): srun forwards the
+step's stdin and output the same way.
 
 The worker runs in its own session with PR_SET_PDEATHSIG, so killing this supervisor
 (SIGKILL included) kills it too. Standard library only: it starts on every remote start.
@@ -80,6 +84,14 @@ def main() -> int:
         return 2
     if "attach" in start or "detach" in start:
         return _relay(start, stdin)
+    # Under Slurm (an srun step) a signal sent through Slurm (scancel --signal, a preemption
+    # notice, the job's end) reaches every process of the step, the worker included: the
+    # supervisor then leaves the worker to act on it. A Python handler, not SIG_IGN, which the
+    # worker would inherit across exec.
+    in_step = "SLURM_STEP_ID" in os.environ
+    if in_step:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, lambda _s, _f: None)
     env = {**os.environ, **start["env"]}
     if "MASTER_ADDR" in env:  # collectives go out through the interface that reaches the driver
         env.update(collective_interface_env(env, env["MASTER_ADDR"]))
@@ -91,6 +103,8 @@ def main() -> int:
         _say(f"error cannot start {start['command'][0]!r}: {err}")
         return 127
     _say(f"started {proc.pid}")
+    if in_step:  # the step to signal through Slurm: scancel --signal=SIG JOB.STEP
+        _say(f"step {os.environ.get('SLURM_JOB_ID', '')}.{os.environ['SLURM_STEP_ID']}")
 
     def end(status: int) -> None:
         _say(f"exit {status}")
@@ -100,8 +114,9 @@ def main() -> int:
         # Whoever stops the supervisor stops the worker: it must not be left running alone.
         signal_group(proc.pid, signal.SIGKILL)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    if not in_step:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, on_signal)
     threading.Thread(target=lambda: end(proc.wait()), name="reaper", daemon=True).start()
 
     for line in iter(stdin.readline, b""):

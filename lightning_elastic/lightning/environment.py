@@ -126,7 +126,7 @@ class WorkerBacked:
         if num_nodes != 1:
             rank_zero_warn(
                 f'lightning-elastic: strategy="elastic_hvd" ignores {api}(num_nodes={num_nodes}): the hosts are '
-                "lightning-elastic launch's (-H, --hostfile, --host-discovery-script or --ray; the job has "
+                "lightning-elastic launch's (-H, --hostfile, --host-discovery-script, --ray or --slurm; the job has "
                 f"{size} process(es) now). Leave num_nodes out."
             )
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.integration.harness import Job, wait_for
 from tests.integration.namespaces import HostsUnavailable, NamespacedHosts
+from tests.integration.slurm_cluster import ClusterUnavailable, SlurmCluster
 
 
 # Where to append one JSON line per launch (test, exit status, verdict, the driver's own
@@ -85,19 +86,48 @@ def remote_hosts(request: pytest.FixtureRequest) -> Iterator[NamespacedHosts]:
         try:
             hosts.start()
         except HostsUnavailable as exc:
-            reason = f"namespaced remote hosts unavailable: {exc}"
-            # Shown even under -q and output capture: a skipped session deserves a visible reason.
-            capture = request.config.pluginmanager.get_plugin("capturemanager")
-            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-            if capture is not None and reporter is not None:
-                with capture.global_and_fixture_disabled():
-                    reporter.write_line(f"\n{reason}", yellow=True)
-            if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-                pytest.fail(f"{reason} (CI is set, so this is not skipped)", pytrace=False)
-            pytest.skip(reason)
+            skip_or_fail(request, f"namespaced remote hosts unavailable: {exc}")
         yield hosts
     finally:
         hosts.close()
+
+
+def skip_or_fail(request: pytest.FixtureRequest, reason: str) -> None:
+    """Skip with a visible reason; but in CI (``CI`` set) fail: CI must run these tests."""
+    # Shown even under -q and output capture: a skipped session deserves a visible reason.
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if capture is not None and reporter is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"\n{reason}", yellow=True)
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(f"{reason} (CI is set, so this is not skipped)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
+    """A Slurm cluster of namespaced nodes le-s1..le-s4 (see slurm_cluster.py), shared by the
+    session's Slurm tests; every daemon stopped and namespace removed at the end."""
+    cluster = SlurmCluster()
+    try:
+        try:
+            cluster.start()
+        except ClusterUnavailable as exc:
+            skip_or_fail(request, f"namespaced Slurm cluster unavailable: {exc}")
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def slurm(slurm_cluster: SlurmCluster, request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
+    """The session's cluster, with no job left and every node back up after each test."""
+    yield slurm_cluster
+    call = getattr(request.node, "report_call", None)
+    if call is not None and call.failed:
+        request.node.add_report_section("teardown", "slurm", slurm_cluster.logs())
+    slurm_cluster.cancel_all()
 
 
 @pytest.fixture

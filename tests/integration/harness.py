@@ -64,14 +64,16 @@ class Job:
         return self.script
 
     def start(self, launch_args: Sequence[str], example_args: Sequence[str] = (),
-              command: Sequence[str] | None = None, capture_secret: bool = False) -> None:
-        """Start the driver; ``capture_secret`` lets ``secret()`` read the job secret later."""
+              command: Sequence[str] | None = None, capture_secret: bool = False,
+              env: dict[str, str] | None = None) -> None:
+        """Start the driver; ``capture_secret`` lets ``secret()`` read the job secret later;
+        ``env``: the driver's environment (default: this process's)."""
         cmd = [str(self.launcher), "launch", *launch_args]
         if command is None:
             command = [sys.executable, str(EXAMPLE), "--events", str(self.events_dir), *example_args]
         if capture_secret:
             command = [sys.executable, str(CAPTURE_SECRET), str(self.secret_path), *command]
-        env = dict(os.environ)
+        env = dict(os.environ if env is None else env)
         env.pop("LIGHTNING_ELASTIC_DRIVER_URL", None)
         if self.launcher != LAUNCHER:
             env.pop("PYTHONPATH", None)  # nothing of the checkout: only what the other venv installed

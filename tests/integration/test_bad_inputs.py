@@ -270,8 +270,14 @@ def variable_not_a_flag(d: Path):
 def variables_give_two_host_sources(d: Path):
     env = {"LIGHTNING_ELASTIC_HOSTS": "localhost:1", "LIGHTNING_ELASTIC_RAY": "auto"}
     return ["launch", PYTHON, "-c", "pass"], env, Line(
-        "{names}: give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script or --ray",
+        "{names}: give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script, --ray or --slurm",
         {"names": "LIGHTNING_ELASTIC_HOSTS, LIGHTNING_ELASTIC_RAY"})
+
+
+def slurm_outside_an_allocation(d: Path):
+    return ["launch", "--slurm", "-np", "2", PYTHON, "-c", "pass"], {"SLURM_JOB_ID": ""}, Line(
+        "--slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set): run it in an sbatch script or under "
+        "salloc", {})
 
 
 def only_host_does_not_resolve(d: Path):  # found by the driver, before any worker started
@@ -286,7 +292,7 @@ INVALID: list[Case] = [
     state_dir_is_a_file, driver_patience_not_positive, driver_address_foreign, driver_address_not_ipv4, network_interface_unknown, discovery_script_is_a_directory,
     hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
     discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,
-    only_host_does_not_resolve,
+    slurm_outside_an_allocation, only_host_does_not_resolve,
 ]
 
 

@@ -663,7 +663,7 @@ def test_the_command_line_wins_over_the_environment(script):
         ({"LIGHTNING_ELASTIC_ENV": "A='unclosed"}, "LIGHTNING_ELASTIC_ENV (-x/--env): No closing quotation, in \"A='unclosed\""),
         ({"LIGHTNING_ELASTIC_HOSTS": "a:1", "LIGHTNING_ELASTIC_RAY": "auto"},
          "LIGHTNING_ELASTIC_HOSTS, LIGHTNING_ELASTIC_RAY: give exactly one host source: -H/--hosts, --hostfile, "
-         "--host-discovery-script or --ray"),
+         "--host-discovery-script, --ray or --slurm"),
         ({"LIGHTNING_ELASTIC_MIN_NP": "5"}, "--min-np: must be between 1 and -np (1), got 5"),
     ],
 )

@@ -84,7 +84,7 @@ def test_devices_asking_for_several_processes_are_said_to_be_ignored(api):
 def test_num_nodes_is_said_to_be_ignored(api):
     assert build(api, num_nodes=2) == [
         f'lightning-elastic: strategy="elastic_hvd" ignores {api}(num_nodes=2): the hosts are lightning-elastic '
-        "launch's (-H, --hostfile, --host-discovery-script or --ray; the job has 1 process(es) now). "
+        "launch's (-H, --hostfile, --host-discovery-script, --ray or --slurm; the job has 1 process(es) now). "
         "Leave num_nodes out."
     ]
 
@@ -104,3 +104,53 @@ def test_snapshot_options_reach_the_worker_and_bad_ones_fail_when_the_strategy_i
         ElasticStrategy(worker=ElasticWorker(None), snapshot_dir=tmp_path, snapshot_every=0)
     with pytest.raises(ValueError, match="need snapshot_dir"):
         ElasticStrategy(worker=ElasticWorker(None), snapshot_every=5.0)
+# ----- under srun: Slurm's variables say one task of rank 0; the elastic job's ranks apply ----
+
+SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train", "SLURM_NNODES": "1"}
+
+
+@pytest.mark.parametrize("api", ["Trainer", "Fabric"])
+def test_in_an_srun_step_the_elastic_environment_is_used_not_slurms(api, monkeypatch):
+    from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: PLC0415
+
+    from lightning_elastic.lightning.environment import ElasticEnvironment  # noqa: PLC0415
+
+    for name, value in SRUN_STEP.items():
+        monkeypatch.setenv(name, value)
+    assert SLURMEnvironment.detect()  # what Lightning would pick on its own here
+    worker = ElasticWorker(None)
+    worker.start()
+    try:
+        if api == "Trainer":
+            import lightning.pytorch as pl  # noqa: PLC0415
+
+            trainer = pl.Trainer(strategy=ElasticStrategy(worker=worker), accelerator="cpu", logger=False,
+                                 enable_progress_bar=False, enable_model_summary=False)
+            environment = trainer.strategy.cluster_environment
+        else:
+            from lightning.fabric import Fabric  # noqa: PLC0415
+
+            from lightning_elastic.fabric import ElasticFabricStrategy  # noqa: PLC0415
+
+            environment = Fabric(strategy=ElasticFabricStrategy(worker=worker), accelerator="cpu").strategy.cluster_environment
+        assert isinstance(environment, ElasticEnvironment)
+        assert not isinstance(environment, SLURMEnvironment)
+    finally:
+        worker.shutdown()
+
+
+def test_a_slurm_environment_plugin_with_the_elastic_strategy_is_refused(monkeypatch):
+    import lightning.pytorch as pl  # noqa: PLC0415
+    from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: PLC0415
+
+    for name, value in SRUN_STEP.items():
+        monkeypatch.setenv(name, value)
+    worker = ElasticWorker(None)
+    worker.start()
+    try:
+        with pytest.raises(Exception, match="cluster_environment set through both strategy class and plugins"):
+            pl.Trainer(strategy=ElasticStrategy(worker=worker), plugins=[SLURMEnvironment()], accelerator="cpu",
+                       logger=False)
+    finally:
+        worker.shutdown()
