@@ -127,6 +127,22 @@ CASES: list[tuple[str, str, str, str, str]] = [
     ("test_driver_restart.py::test_lightning_fit_survives_a_driver_restart", "Lightning",
      "`--state-dir`: SIGKILL to the driver mid-fit, the same command again", "success in the same round",
      f"{SAME}, exactly once, final state (global step, optimizer and scheduler steps)"),
+    ("test_slurm.py::test_a_worker_sigkilled_in_its_step_leaves_the_others_training", "Slurm",
+     "a worker SIGKILLed inside its srun step", "success at 2 of 3; node blacklisted",
+     f"{EO}, {SAME}; each worker on its own node's host name"),
+    ("test_slurm.py::test_a_crashed_node_is_lost_within_the_heartbeat_timeout", "Slurm",
+     "every process of a node dies (slurmd, step, worker)", "success at 2 of 3 within --heartbeat-timeout + 3 s",
+     f"{EO}, {SAME}"),
+    ("test_slurm.py::test_scancel_signal_term_on_a_step_is_a_graceful_leave", "Slurm",
+     "`scancel --signal=TERM JOB.STEP` (a preemption notice)",
+     "success; graceful leave, no blacklist, nothing re-executed", EO),
+    ("test_slurm.py::test_lightning_under_slurm_keeps_the_elastic_ranks_through_a_killed_worker", "Slurm, Lightning",
+     "a worker SIGKILLed; every step says SLURM_PROCID=0, SLURM_NTASKS=1",
+     "success at 2 of 3; ranks 0-2 of 3 from the elastic job", f"{EO}, {SAME}, LR schedule"),
+    ("test_slurm.py::test_a_second_allocations_node_joins_the_running_job", "Slurm",
+     "a second allocation (`--slurm-jobs`) starts mid-training", "success; sizes 2 -> 3, nothing rolled back", EO),
+    ("test_slurm.py::test_slurm_outside_an_allocation_is_one_line", "Slurm",
+     "`--slurm` outside an allocation", "one line, nothing started", "—"),
 ]
 
 

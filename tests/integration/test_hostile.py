@@ -8,6 +8,7 @@ tests/unit/test_rendezvous_server.py (``test_a_driver_clock_step_and_its_correct
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -20,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.harness import LAUNCHER, Job, assert_epochs_complete, assert_replicas_identical, wait_for
+from tests.integration.harness import EXAMPLE, LAUNCHER, Job, assert_epochs_complete, assert_replicas_identical, wait_for
 from tests.integration.test_elastic_launch import STEADY, discovery_args
 
 pytestmark = pytest.mark.integration
@@ -299,3 +300,48 @@ def test_a_preempted_worker_blocked_in_a_collective_leaves_within_its_grace(job:
     assert "preemption grace of 2 s ran out before this worker could leave" in said
     assert "exited with status 143 before it could leave on SIGTERM (preemption notice)" in err
     assert not job.stray_processes()
+
+
+F_SETPIPE_SZ = 1031  # fcntl: a pipe's capacity (Linux)
+
+
+def test_a_driver_stderr_that_never_drains_costs_log_lines_not_the_job(job: Job) -> None:
+    # The driver's stderr is a pipe nobody reads (`2>&1 | less` left paused, a terminal on
+    # hold), full before the job starts: every log line the driver writes would block.
+    # Before, the first one blocked the driver, and a later one, written with the registry
+    # lock held, froze the service until the workers gave up. Now the lines are dropped,
+    # counted, and the job runs as if nothing happened.
+    import fcntl  # noqa: PLC0415
+
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, F_SETPIPE_SZ, 4096)
+    os.set_blocking(write_end, False)
+    try:
+        while True:
+            os.write(write_end, b"x" * 4096)  # fill it
+    except BlockingIOError:
+        pass
+    os.set_blocking(write_end, True)
+    command = [sys.executable, str(EXAMPLE), "--events", str(job.events_dir), *STEADY, "--epochs", "4"]
+    try:
+        proc = subprocess.Popen([str(LAUNCHER), "launch", "-np", "2", "-H", f"{H1},{H2}", *command], cwd=job.dir,
+                                stdout=open(job.stdout_path, "wb"), stderr=write_end)  # noqa: SIM115
+        os.close(write_end)
+        write_end = -1
+        try:
+            code = proc.wait(timeout=120)  # stderr unread for the whole job
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError("the job hung behind its undrained stderr") from None
+        drained = b""
+        while chunk := os.read(read_end, 1 << 16):  # EOF: the driver has exited
+            drained += chunk
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+    assert code == 0, drained.decode(errors="replace")[-3000:]
+    job.returncode = code
+    assert_epochs_complete(job, 4)
+    assert_replicas_identical(job)
