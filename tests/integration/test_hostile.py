@@ -305,6 +305,13 @@ def test_a_preempted_worker_blocked_in_a_collective_leaves_within_its_grace(job:
 F_SETPIPE_SZ = 1031  # fcntl: a pipe's capacity (Linux)
 
 
+def _read_to_eof(fd: int) -> bytes:
+    data = bytearray()
+    while chunk := os.read(fd, 1 << 16):
+        data += chunk
+    return bytes(data)
+
+
 def test_a_driver_stderr_that_never_drains_costs_log_lines_not_the_job(job: Job) -> None:
     # The driver's stderr is a pipe nobody reads (`2>&1 | less` left paused, a terminal on
     # hold), full before the job starts: every log line the driver writes would block.
@@ -326,22 +333,29 @@ def test_a_driver_stderr_that_never_drains_costs_log_lines_not_the_job(job: Job)
     try:
         proc = subprocess.Popen([str(LAUNCHER), "launch", "-np", "2", "-H", f"{H1},{H2}", *command], cwd=job.dir,
                                 stdout=open(job.stdout_path, "wb"), stderr=write_end)  # noqa: SIM115
+        job.proc = proc  # the fixture stops it, and checks nothing is left behind
         os.close(write_end)
         write_end = -1
+        # Training ends with stderr unread all along: every worker reports that it is done.
+        wait_for(lambda: len(job.events("done")) == 2 or proc.poll() is not None, 120,
+                 "both workers to finish training behind the undrained stderr")
+        drained = bytearray()
+        reader = threading.Thread(target=lambda: drained.extend(_read_to_eof(read_end)), daemon=True)
+        reader.start()  # now a reader comes back (the summary waits for one, as it should)
         try:
-            code = proc.wait(timeout=120)  # stderr unread for the whole job
+            code = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise AssertionError("the job hung behind its undrained stderr") from None
-        drained = b""
-        while chunk := os.read(read_end, 1 << 16):  # EOF: the driver has exited
-            drained += chunk
+            raise AssertionError("the driver did not end once its stderr drained again") from None
+        reader.join(30)
     finally:
         os.close(read_end)
         if write_end >= 0:
             os.close(write_end)
-    assert code == 0, drained.decode(errors="replace")[-3000:]
+    text = drained.decode(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "log line(s) dropped: the output did not drain" in text
     job.returncode = code
     assert_epochs_complete(job, 4)
     assert_replicas_identical(job)
