@@ -124,10 +124,11 @@ def test_sigterm_is_a_graceful_leave_without_rollback_or_blacklist(job: Job) -> 
 
 
 def test_a_preempted_worker_that_cannot_leave_in_its_grace_falls_back_to_a_failure(job: Job) -> None:
-    # Steps of 3 s and a grace of 1 s: the next check comes too late.
+    # Steps of 2 s and a grace of 1 s: the next check comes too late (SIGTERM lands just
+    # after a step was logged).
     job.set_hosts(H1, H2, H3)
     job.start(discovery_args(job, "-np", "3", "--min-np", "1", "--preemption-grace", "1"),
-              ["--step-delay", "3", "--samples", "48", "--batch-size", "8", "--commit-every", "1", "--epochs", "2"])
+              ["--step-delay", "2", "--samples", "48", "--batch-size", "8", "--commit-every", "1", "--epochs", "2"])
     job.wait_steps(2)
     leaver = job.worker_pid("127.0.0.2")
     os.kill(leaver, signal.SIGTERM)
