@@ -72,6 +72,67 @@ def _write_atomically(path: Path, text: str) -> None:
         path.write_text(text)
 
 
+def namespace_pids(name: str) -> list[int]:
+    """Every process in the network namespace ``name``."""
+    return [int(p) for p in _run(["ip", "netns", "pids", name]).stdout.split()]
+
+
+def kill_namespace(name: str, timeout: float = 10.0) -> None:
+    """SIGKILL every process in the namespace until none is left, as if the machine died."""
+    def gone() -> bool:
+        pids = namespace_pids(name)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return not pids
+
+    _poll(gone, timeout, f"every process on {name} to exit")
+
+
+def make_bridged_namespaces(bridge: str, bridge_address: str, addresses: dict[str, str],
+                            unavailable: type[Exception]) -> None:
+    """A bridge with ``bridge_address``/24 and one namespace per ``addresses`` entry (name ->
+    address) on it, its end named eth0; ``unavailable`` is raised when no namespace can be made."""
+    _run(["ip", "link", "add", bridge, "type", "bridge"])
+    _run(["ip", "addr", "add", f"{bridge_address}/24", "dev", bridge])
+    _run(["ip", "link", "set", bridge, "up"])
+    for name, addr in addresses.items():
+        result = _run(["ip", "netns", "add", name], check=False)
+        if result.returncode != 0:
+            raise unavailable(f"cannot create network namespace {name}: {result.stderr.strip()}")
+        veth = f"v-{name}"  # 7 characters, well within IFNAMSIZ
+        _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name])
+        _run(["ip", "link", "set", veth, "master", bridge, "up"])
+        _run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", "eth0"])
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        _run(["ip", "-n", name, "link", "set", "eth0", "up"])
+        # Nothing beyond the bridge: the box's DNS server is out of reach from here, and a
+        # query that fails at once beats one that times out (torch resolves peer addresses).
+        _run(["ip", "-n", name, "route", "add", "unreachable", "default"])
+
+
+def delete_links(names: Sequence[str], bridge: str) -> None:
+    """Delete the namespaces' veth ends and the bridge. A namespace is destroyed
+    asynchronously, taking its veth pair along; deleting the links ourselves means a start()
+    right after this can create them again."""
+    for link in [*(f"v-{n}" for n in names), bridge]:
+        if _run(["ip", "link", "show", link], check=False).returncode == 0:
+            _run(["ip", "link", "delete", link], check=False)  # may vanish on its own meanwhile
+
+
+def set_marked_hosts(entries: dict[str, str], mark: str) -> None:
+    """Replace the /etc/hosts lines ending in ``mark`` with ``entries`` (name -> address)."""
+    old = ETC_HOSTS.read_text()
+    kept = [line for line in old.splitlines(keepends=True) if not line.rstrip().endswith(mark)]
+    if kept and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"
+    new = "".join(kept) + "".join(f"{addr}\t{name}\t{mark}\n" for name, addr in entries.items())
+    if new != old:
+        _write_atomically(ETC_HOSTS, new)
+
+
 class NamespacedHosts:
     """Hosts ``le-h1``..``le-h3`` with sshd and ``le-h4`` without, on bridge ``lebr0``."""
 
@@ -95,7 +156,7 @@ class NamespacedHosts:
         self._dir = Path(tempfile.mkdtemp(prefix=TMP_PREFIX))
         self._make_keys()
         self._make_network()
-        self._set_etc_hosts(self._addresses)
+        set_marked_hosts(self._addresses, MARK)
         for name in self.names:
             self._start_sshd(name)
         for name in self.names:
@@ -140,7 +201,7 @@ class NamespacedHosts:
 
     def pids(self, name: str) -> list[int]:
         """Every process in the host's network namespace (sshd, sessions, workers)."""
-        return [int(p) for p in _run(["ip", "netns", "pids", name]).stdout.split()]
+        return namespace_pids(name)
 
     def partition(self, name: str) -> None:
         """Cut the host off the network; its processes keep running."""
@@ -153,16 +214,7 @@ class NamespacedHosts:
 
     def kill_all(self, name: str, timeout: float = 10.0) -> None:
         """SIGKILL every process on the host, sshd included, as if the machine died."""
-        def gone() -> bool:
-            pids = self.pids(name)
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            return not pids
-
-        _poll(gone, timeout, f"every process on {name} to exit")
+        kill_namespace(name, timeout)
         proc = self._sshd.get(name)
         if proc is not None:
             proc.wait(timeout=timeout)
@@ -246,22 +298,7 @@ class NamespacedHosts:
                          "--ssh-option", "LogLevel=ERROR"]
 
     def _make_network(self) -> None:
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{self.bridge_address}/24", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
-        for name, addr in self._addresses.items():
-            result = _run(["ip", "netns", "add", name], check=False)
-            if result.returncode != 0:
-                raise HostsUnavailable(f"cannot create network namespace {name}: {result.stderr.strip()}")
-            veth = f"v-{name}"  # 7 characters, well within IFNAMSIZ
-            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name])
-            _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
-            _run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", "eth0"])
-            _run(["ip", "-n", name, "link", "set", "lo", "up"])
-            _run(["ip", "-n", name, "link", "set", "eth0", "up"])
-            # Nothing beyond the bridge: the box's DNS server is out of reach from here, and a
-            # query that fails at once beats one that times out (torch resolves peer addresses).
-            _run(["ip", "-n", name, "route", "add", "unreachable", "default"])
+        make_bridged_namespaces(BRIDGE, self.bridge_address, self._addresses, HostsUnavailable)
 
     def _start_sshd(self, name: str) -> None:
         assert self._dir is not None
@@ -325,23 +362,9 @@ class NamespacedHosts:
             if name in listed:
                 attempt(lambda name=name: self.kill_all(name))
                 attempt(lambda name=name: _run(["ip", "netns", "delete", name]))
-        # A namespace is destroyed asynchronously, taking its veth pair along; deleting the
-        # links ourselves means a start() right after this can create them again.
-        for link in [*(f"v-{n}" for n in (*SSH_HOSTS, UNREACHABLE)), BRIDGE]:
-            if _run(["ip", "link", "show", link], check=False).returncode == 0:
-                _run(["ip", "link", "delete", link], check=False)  # may vanish on its own meanwhile
-        attempt(lambda: self._set_etc_hosts({}))
+        delete_links([*SSH_HOSTS, UNREACHABLE], BRIDGE)
+        attempt(lambda: set_marked_hosts({}, MARK))
         for stale in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):  # keys, configs, logs
             shutil.rmtree(stale, ignore_errors=True)
         if errors:
             raise errors[0]
-
-    def _set_etc_hosts(self, entries: dict[str, str]) -> None:
-        """Replace our marked lines in /etc/hosts with ``entries`` (name -> address)."""
-        old = ETC_HOSTS.read_text()
-        kept = [line for line in old.splitlines(keepends=True) if not line.rstrip().endswith(MARK)]
-        if kept and not kept[-1].endswith("\n"):
-            kept[-1] += "\n"
-        new = "".join(kept) + "".join(f"{addr}\t{name}\t{MARK}\n" for name, addr in entries.items())
-        if new != old:
-            _write_atomically(ETC_HOSTS, new)

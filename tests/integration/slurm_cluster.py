@@ -31,7 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tests.integration.namespaces import ETC_HOSTS, _poll, _run, _write_atomically
+from tests.integration.namespaces import (_poll, _run, delete_links, kill_namespace, make_bridged_namespaces,
+                                          namespace_pids, set_marked_hosts)
 
 SUBNET = "10.213.79"  # bridge .1 (and slurmctld), nodes .11, .12, ...
 BRIDGE = "lebr1"
@@ -73,7 +74,7 @@ class SlurmCluster:
         _install_missing()
         self.dir = Path(tempfile.mkdtemp(prefix=TMP_PREFIX))
         self._make_network()
-        _set_etc_hosts(self._addresses)
+        set_marked_hosts(self._addresses, MARK)
         self._write_config()
         self._start_munged()
         self._start_slurmctld()
@@ -156,20 +157,11 @@ class SlurmCluster:
 
     def pids(self, node: str) -> list[int]:
         """Every process of the node's namespace: slurmd, step daemons, workers."""
-        return [int(p) for p in _run(["ip", "netns", "pids", node]).stdout.split()]
+        return namespace_pids(node)
 
     def crash(self, node: str, timeout: float = 10.0) -> None:
         """SIGKILL every process of the node, slurmd included, as if the machine died."""
-        def gone() -> bool:
-            pids = self.pids(node)
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            return not pids
-
-        _poll(gone, timeout, f"every process on {node} to exit")
+        kill_namespace(node, timeout)
         proc = self._slurmd.get(node)
         if proc is not None:
             proc.wait(timeout)
@@ -177,20 +169,7 @@ class SlurmCluster:
     # ----- set-up steps ---------------------------------------------------------------
 
     def _make_network(self) -> None:
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{self.controller_address}/24", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
-        for name, addr in self._addresses.items():
-            result = _run(["ip", "netns", "add", name], check=False)
-            if result.returncode != 0:
-                raise ClusterUnavailable(f"cannot create network namespace {name}: {result.stderr.strip()}")
-            veth = f"v-{name}"
-            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name])
-            _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
-            _run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", "eth0"])
-            _run(["ip", "-n", name, "link", "set", "lo", "up"])
-            _run(["ip", "-n", name, "link", "set", "eth0", "up"])
-            _run(["ip", "-n", name, "route", "add", "unreachable", "default"])  # fail fast beyond the bridge
+        make_bridged_namespaces(BRIDGE, self.controller_address, self._addresses, ClusterUnavailable)
 
     def _write_config(self) -> None:
         assert self.dir is not None
@@ -290,10 +269,8 @@ class SlurmCluster:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-        for link in [*(f"v-{n}" for n in NODES), BRIDGE]:
-            if _run(["ip", "link", "show", link], check=False).returncode == 0:
-                _run(["ip", "link", "delete", link], check=False)
-        attempt(lambda: _set_etc_hosts({}))
+        delete_links(NODES, BRIDGE)
+        attempt(lambda: set_marked_hosts({}, MARK))
         for stale in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
         if errors:
@@ -312,17 +289,6 @@ def _kill_daemon(pid_file: Path, marker: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _set_etc_hosts(entries: dict[str, str]) -> None:
-    """Replace our marked lines in /etc/hosts with ``entries`` (name -> address)."""
-    old = ETC_HOSTS.read_text()
-    kept = [line for line in old.splitlines(keepends=True) if not line.rstrip().endswith(MARK)]
-    if kept and not kept[-1].endswith("\n"):
-        kept[-1] += "\n"
-    new = "".join(kept) + "".join(f"{addr}\t{name}\t{MARK}\n" for name, addr in entries.items())
-    if new != old:
-        _write_atomically(ETC_HOSTS, new)
 
 
 def _install_missing() -> None:
