@@ -118,3 +118,10 @@ class HostCheck:
         # MAX of the negated proposal is the smallest proposal: the most frequent rank wins.
         flag = torch.tensor([seen_generation, -proposal], dtype=torch.int64, device=self._device)
         self._pending = _Pending(flag, self._all_reduce(flag))
+
+    def settle(self, wait: Callable[[Work], Any]) -> None:
+        """Wait for the collective in flight, if any, and drop it (at the end of training:
+        its result no longer matters, only that it is not left running)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            wait(pending.work)

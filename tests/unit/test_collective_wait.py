@@ -14,11 +14,15 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from lightning_elastic import protocol as p
 from lightning_elastic.errors import CollectiveError
-from lightning_elastic.worker import wait_or_give_up
+from lightning_elastic.host_check import HostCheck
+from lightning_elastic.worker import ElasticWorker, wait_or_give_up
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,9 +72,9 @@ def _broadcast_with_two_receivers_gone(store: str) -> list[str]:
     try:
         return procs[0].communicate(timeout=60)[0].strip().splitlines()
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_the_root_of_a_broadcast_left_alone_gives_up_and_leaves_its_group(tmp_path):
@@ -137,3 +141,39 @@ def test_one_that_completes_within_the_grace_is_not_given_up():
     work = ScriptedWork()
     threading.Timer(0.05, work.done.set).start()
     wait_or_give_up(work, lambda: "round 3 lost a member", wait_slice=SLICE, grace_s=5)
+
+
+def test_a_collective_pending_past_the_overall_bound_is_given_up_in_a_healthy_round():
+    work = ScriptedWork()
+    with pytest.raises(CollectiveError, match="still pending 0.1 s later"):
+        wait_or_give_up(work, lambda: None, wait_slice=SLICE, give_up_after_s=0.1)
+    assert not work.is_completed()
+
+
+def _worker_with_a_pending_host_check(outcome: p.Outcome, work: ScriptedWork) -> ElasticWorker:
+    worker = ElasticWorker(None)
+    check = HostCheck(1, 0, torch.device("cpu"), all_reduce=lambda flag: work)
+    check.check(0)  # starts the round's background all-reduce, as every rank does at that call
+    worker._host_check = check
+    worker.settings = SimpleNamespace()  # launched (only a world of one has none)
+    worker.reported = outcome
+    return worker
+
+
+def test_a_finished_workers_exit_waits_for_its_last_host_check():
+    # A gloo thread completing it later, once the interpreter finalizes, would abort the
+    # process after training succeeded (see ElasticWorker.shutdown).
+    work = ScriptedWork()
+    threading.Timer(0.2, work.done.set).start()
+    worker = _worker_with_a_pending_host_check(p.Outcome.DONE, work)
+    worker._settle_host_check()
+    assert work.is_completed()
+    assert worker._host_check is None
+
+
+def test_a_failed_workers_exit_does_not_wait_for_its_peers():
+    work = ScriptedWork()
+    worker = _worker_with_a_pending_host_check(p.Outcome.FAILED, work)
+    worker._settle_host_check()
+    assert not work.is_completed()
+    assert worker._host_check is None

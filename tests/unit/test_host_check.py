@@ -168,3 +168,13 @@ def test_a_burst_of_calls_does_not_space_out_slow_calls() -> None:
         if raised[0]:
             break
     assert call <= 8 + 2 * 2 + 1, call  # not 20 slow calls later
+
+
+def test_settle_waits_for_the_collective_in_flight_and_drops_it() -> None:
+    collective, clocks, checks = ranks(2, [1.0, 1.0])
+    call_all(checks, clocks, [1, 1])  # both ranks start one all-reduce
+    waited = []
+    checks[0].settle(waited.append)
+    assert len(waited) == 1
+    checks[0].settle(waited.append)  # nothing left in flight
+    assert len(waited) == 1
