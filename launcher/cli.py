@@ -128,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="when the driver stops a worker (the job's end, Ctrl-C, its host blacklisted): "
                              f"SIGTERM, then SIGKILL after this long (default: {Timeouts.stop_grace:g})")
     bounds.add_argument("--error-wait", type=float, default=Timeouts.lost_member_wait, metavar="SECONDS",
-                        help="a worker that raised waits this long to learn whether its round lost a member "
-                             "before the error counts as its own; its peers wait as long in their next collective. "
-                             "Keep it above a training step's duration, or an error every rank raises may be taken "
-                             f"for one rank's (default: {Timeouts.lost_member_wait:g})")
+                        help="a worker that raised waits at most this long to learn whether its round lost a "
+                             "member before the error counts as its own; usually the answer comes once every peer "
+                             "has shown the driver it is alive (about a second), and the peers wait for it that long "
+                             f"in their next collective (default: {Timeouts.lost_member_wait:g})")
     bounds.add_argument("--discovery-timeout", type=float, default=SCRIPT_TIMEOUT, metavar="SECONDS",
                         help="a run of the discovery script still going after this long has failed and is "
                              f"killed (default: {SCRIPT_TIMEOUT:g})")

@@ -46,6 +46,10 @@ from lightning_elastic.protocol import (
 
 log = logging.getLogger("lightning_elastic.driver")
 
+# An error is compared by its first characters (numbers masked): the worker sends its last
+# traceback line, and nothing from the network is kept unbounded.
+MAX_ERROR_CHARS = 500
+
 
 class WorkerState(str, Enum):
     """Life cycle of a worker, as the driver sees it.
@@ -159,6 +163,16 @@ class Registry:
         # Rounds in which every live member once asked round_lost at the same time: the same
         # error everywhere is the user's own. Sticky, so members answered later agree.
         self.user_error_rounds: set[int] = set()
+        # Round -> the errors (normalized) of members told their error is their own: they
+        # are leaving it. A later asker with the same error has it too (everyone's error,
+        # raised a little later); one with another error lost that member. Current and
+        # previous round only.
+        self._own_errors: dict[int, set[str]] = {}
+        # The one asker whose round's other members are called in to show they are alive
+        # (see round_lost_poll), and when the latest call-in began: a heartbeat parked
+        # before then answers at once, so that its worker sends a fresh one.
+        self._checking: CheckIn | None = None
+        self._called_in_at = float("-inf")
 
     # ----- driver side (call with self.cond held) -------------------------------------
 
@@ -265,6 +279,8 @@ class Registry:
         self.round = RoundInfo(
             number, tuple(r.worker_id for r, _ in members), self.generation, tuple(r.slot for r, _ in members)
         )
+        for old in [r for r in self._own_errors if r < number - 1]:
+            del self._own_errors[old]
         self.note_change()
         for record, _ in members:
             record.wake.fire()
@@ -351,7 +367,12 @@ class Registry:
     def heartbeat_poll(self, request: HeartbeatRequest) -> LongPoll[HeartbeatReply]:
         with self.cond:
             record = self._get(request.worker_id)
-            record.last_heartbeat = self._clock()
+            arrived = record.last_heartbeat = self._clock()
+            checking = self._checking
+            if checking is not None and record.assignment is not None and record.assignment.round == checking.round:
+                asker = self.workers.get(checking.asker)
+                if asker is not None:
+                    asker.wake.fire()  # one more of its peers may have shown it is alive
             if request.snapshots_written or request.snapshots_failed:
                 record.snapshots = (request.snapshots_written, request.snapshots_failed, request.snapshot_error[:200])
             if request.stepped_round > 0:
@@ -364,7 +385,8 @@ class Registry:
             # Answer early on a broken round too: a member blocked in a collective on a dead
             # peer (NCCL often hangs rather than fails) learns it a long poll sooner.
             broken = max(self.broken_rounds, default=0)
-            if final or self.generation > request.known_generation or broken > request.known_broken_round:
+            if (final or self.generation > request.known_generation or broken > request.known_broken_round
+                    or arrived < self._called_in_at):  # called in: the next heartbeat shows it alive
                 return HeartbeatReply(self.generation, broken)
             return None
 
@@ -379,11 +401,12 @@ class Registry:
 
     def round_lost_poll(self, request: RoundLostRequest) -> LongPoll[RoundLostReply]:
         wait = min(request.wait_seconds, MAX_LOST_MEMBER_WAIT)
+        key = normalize_error(request.error[:MAX_ERROR_CHARS]) if request.error else ""
         with self.cond:
             record = self._get(request.worker_id)
             record.asking_round = request.round
             self._asking.add(record.worker_id)
-            record.last_heartbeat = self._clock()
+            now = record.last_heartbeat = self._clock()
             if self._all_members_asking(request.round):
                 self._fire_askers()  # the others' answer changed: the same error everywhere
             current = self.round.number if self.round is not None else 0
@@ -394,12 +417,17 @@ class Registry:
                     error=request.error or "collective error",
                     commits=request.commits,
                 )
+            elif self._may_call_in(request.round):
+                self._call_in(record, request.round, now)
 
         def answer(final: bool) -> RoundLostReply | None:
             broken = request.round in self.broken_rounds
             # O(members): not asked of a broken round, whose answer does not need it (at
             # thousands of members, every one asks about the same broken round at once).
             all_asking = not broken and self._all_members_asking(request.round)
+            own = self._own_errors.get(request.round, ())
+            alike = bool(key) and key in own
+            checking = self._checking
             view = ErrorView(
                 broken=broken,
                 judged_own=request.round in self.user_error_rounds,
@@ -407,17 +435,27 @@ class Registry:
                 collective=request.collective,
                 repeated_error=self.repeated_error,
                 waited_out=final,
+                failed_alike=alike,
+                failed_other=bool(own) and not alike,
+                others_alive=(checking is not None and checking.asker == record.worker_id
+                              and self._others_shown_alive(checking)),
             )
             reply = classify_error(view)
             if reply is not None and all_asking and not reply.lost and not request.collective:
                 # Sticky, so members answered later agree.
                 self.user_error_rounds.add(request.round)
                 self._fire_askers()
+            if reply is not None and not reply.lost and not request.collective:
+                # It leaves the round now: other askers' answers changed (see _own_errors).
+                self._own_errors.setdefault(request.round, set()).add(key)
+                self._fire_askers()
             return reply
 
         def finish() -> None:
             record.asking_round = None
             self._asking.discard(record.worker_id)
+            if self._checking is not None and self._checking.asker == record.worker_id:
+                self._checking = None
 
         return self._poll(answer, record, wait, finish)
 
@@ -431,6 +469,41 @@ class Registry:
             record.leave = True
             self.note_change()
             return LeaveReply(True)
+
+    def _may_call_in(self, number: int) -> bool:
+        """Should an asker about round ``number`` call its peers in? Only about the current,
+        unbroken round, before any member of it was told its error is its own (the answer
+        then no longer needs it), and one asker at a time: at thousands of members, each
+        call-in costs a heartbeat from every one of them."""
+        return (self._checking is None and self.round is not None and self.round.number == number
+                and number not in self.broken_rounds and number not in self._own_errors)
+
+    def _call_in(self, record: WorkerRecord, number: int, now: float) -> None:
+        """Ask every other live member of round ``number`` for a heartbeat now: one that
+        sends it after ``record``'s question was alive after its error, so that error is
+        not a consequence of that member's loss."""
+        self._checking = CheckIn(record.worker_id, number, now)
+        self._called_in_at = now
+        assert self.round is not None
+        for worker_id in self.round.members:
+            member = self.workers.get(worker_id)
+            if member is not None and member is not record and not member.state.finished:
+                member.wake.fire()
+
+    def _others_shown_alive(self, checking: CheckIn) -> bool:
+        """Has every other live member of the checked round sent a request since the
+        question? Members stay shown alive, so the scan resumes where it stopped: O(members)
+        for the whole wait, however many heartbeats wake it."""
+        if self.round is None or self.round.number != checking.round:
+            return False
+        members = self.round.members
+        while checking.cursor < len(members):
+            member = self.workers.get(members[checking.cursor])
+            if not (member is None or member.state.finished or member.worker_id == checking.asker
+                    or (member.last_heartbeat is not None and member.last_heartbeat > checking.since)):
+                return False
+            checking.cursor += 1
+        return True
 
     def _all_members_asking(self, number: int) -> bool:
         if self.round is None or self.round.number != number:
@@ -493,23 +566,45 @@ class ErrorView:
     collective: bool  # the asker's error is a collective failure by its type
     repeated_error: str | None  # the same collective error ended too many rounds
     waited_out: bool  # the asker's bounded wait is over
+    # A member of the round was told its error is its own, the same error as the asker's
+    # (numbers aside): the asker raised it too, only later.
+    failed_alike: bool = False
+    # ... a different error: that member is leaving the round, which is lost to the asker.
+    failed_other: bool = False
+    # Every other live member sent a request after the asker's question: none was lost
+    # when the asker raised.
+    others_alive: bool = False
 
 
 def classify_error(view: ErrorView) -> RoundLostReply | None:
     """The answer to a member's error, or None to wait for more facts.
 
-    "Lost" (recover from the last commit) when the round is broken; a collective error
-    broke it itself, so it is recovered from unless it keeps repeating. "Own error" at once
-    when every live member asks (the same error everywhere: the user's), else after the wait.
+    "Lost" (recover from the last commit) when the round is broken, or a member of it was
+    told its own, different, error is its own (it is leaving); a collective error broke the
+    round itself, so it is recovered from unless it keeps repeating. "Own error" when every
+    live member asks (the same error everywhere: the user's), when a member already failed
+    with the same error (the same, raised a little later), when every other member showed
+    it is alive after the question (no peer was lost: peers that raise the same error later
+    are caught by the previous rule), else after the wait.
     """
     if view.collective:
         if view.repeated_error is not None:
             return RoundLostReply(False, view.repeated_error)
         return RoundLostReply(True)
-    if view.judged_own:
+    if view.judged_own or view.failed_alike:
         return RoundLostReply(False)
-    if view.broken:
+    if view.broken or view.failed_other:
         return RoundLostReply(True)
-    if view.all_members_asking or view.waited_out:
+    if view.all_members_asking or view.others_alive or view.waited_out:
         return RoundLostReply(False)
     return None
+
+
+@dataclasses.dataclass
+class CheckIn:
+    """An asker's call-in: the other members of ``round`` show they are alive after ``since``."""
+
+    asker: str
+    round: int
+    since: float
+    cursor: int = 0  # members before it (in rank order) are shown alive or finished

@@ -451,6 +451,79 @@ def test_asking_about_an_old_round_is_never_a_user_error(reg):
     assert 1 not in reg.user_error_rounds
 
 
+def test_one_ranks_error_is_its_own_once_every_peer_shows_it_is_alive(reg, pool):
+    # The peer waits for the asker in a collective; only its heartbeat thread runs. Its
+    # parked heartbeat is answered at once (called in), and the next one it sends proves
+    # it alive after the question: the error is the asker's own, long before the wait.
+    a, b = add(reg, "w0"), add(reg, "w1")
+    form(reg, a, b)
+    parked = pool.submit(reg.heartbeat, HeartbeatRequest("w1", 0, 0, 30.0))
+    wait_until(reg, lambda: b.wake.waiting)
+    asked = pool.submit(reg.round_lost, RoundLostRequest("w0", 1, 30.0, error="ValueError: bad batch 5"))
+    assert parked.result(timeout=PROMPT).last_broken_round == 0
+    assert not asked.done()  # alive before the question proves nothing
+    pool.submit(reg.heartbeat, HeartbeatRequest("w1", 0, 0, 30.0))
+    assert asked.result(timeout=PROMPT).lost is False
+    assert 1 not in reg.user_error_rounds  # its own, not everyone's
+
+
+def test_after_an_own_error_the_same_error_is_own_and_another_is_a_lost_peer(reg, pool):
+    a, b, c = add(reg, "w0"), add(reg, "w1"), add(reg, "w2")
+    form(reg, a, b, c)
+    asked = pool.submit(reg.round_lost, RoundLostRequest("w0", 1, 30.0, error="ValueError: bad batch 5 on rank 0"))
+    wait_until(reg, lambda: a.asking_round == 1)
+    reg.heartbeat(HeartbeatRequest("w1", 0, 0, 0.0))
+    reg.heartbeat(HeartbeatRequest("w2", 0, 0, 0.0))
+    assert asked.result(timeout=PROMPT).lost is False
+    # Before w0 is even reaped: a rank that raised the same error (numbers aside) a little
+    # later has it too; one whose collective failed as w0 left recovers.
+    same = reg.round_lost(RoundLostRequest("w1", 1, 30.0, error="ValueError: bad batch 5 on rank 1"))
+    assert same.lost is False
+    other = reg.round_lost(RoundLostRequest("w2", 1, 30.0, error="RuntimeError: Connection closed by peer"))
+    assert other.lost is True
+    # Once w0's exit broke the round, the same error is still everyone's.
+    with reg.cond:
+        a.state = WorkerState.FAILED
+        reg.mark_round_broken(1, "worker w0 exited")
+    assert reg.round_lost(RoundLostRequest("w1", 1, 30.0, error="ValueError: bad batch 7 on rank 1")).lost is False
+
+
+def test_a_peer_that_never_shows_alive_keeps_the_wait_as_the_bound(reg, pool):
+    # SIGKILLed and not reaped yet (or behind a partition): no heartbeat comes, so the
+    # answer waits for the round to break, or for the wait.
+    a, b = add(reg, "w0"), add(reg, "w1")
+    form(reg, a, b)
+    reg.heartbeat(HeartbeatRequest("w1", 0, 0, 0.0))  # alive before the question only
+    asked = pool.submit(reg.round_lost, RoundLostRequest("w0", 1, 30.0, error="RuntimeError: Connection reset"))
+    wait_until(reg, lambda: a.asking_round == 1)
+    with reg.cond:
+        assert not reg.cond.wait_for(asked.done, 0.2)
+        b.state = WorkerState.FAILED
+        reg.mark_round_broken(1)
+    assert asked.result(timeout=PROMPT).lost is True
+    b2, c2 = add(reg, "w2"), add(reg, "w3")
+    form(reg, b2, c2)
+    assert reg.round_lost(RoundLostRequest("w2", 2, 0.05, error="ValueError: x")).lost is False
+
+
+def test_one_call_in_at_a_time_and_none_once_an_error_was_judged_own(reg, pool):
+    a, b, c = add(reg, "w0"), add(reg, "w1"), add(reg, "w2")
+    form(reg, a, b, c)
+    first = pool.submit(reg.round_lost, RoundLostRequest("w0", 1, 30.0, error="ValueError: a"))
+    wait_until(reg, lambda: a.asking_round == 1)
+    with reg.cond:
+        since = reg._called_in_at
+    second = pool.submit(reg.round_lost, RoundLostRequest("w1", 1, 30.0, error="KeyError: b"))
+    wait_until(reg, lambda: b.asking_round == 1)
+    with reg.cond:
+        assert reg._called_in_at == since  # w1 waits on w0's call-in
+    reg.heartbeat(HeartbeatRequest("w2", 0, 0, 0.0))
+    assert first.result(timeout=PROMPT).lost is False  # w1 asked after w0: alive too
+    assert second.result(timeout=PROMPT).lost is True  # w0 leaves the round
+    with reg.cond:
+        assert not reg._may_call_in(1)
+
+
 def test_round_lost_of_unknown_worker_is_refused(reg):
     with pytest.raises(UnknownWorker):
         reg.round_lost(RoundLostRequest("ghost", 1, wait_seconds=0.0))
@@ -642,6 +715,13 @@ NO_FACTS = dict(broken=False, judged_own=False, all_members_asking=False, collec
         ({"collective": True, "all_members_asking": True}, RoundLostReply(True)),
         ({"collective": True, "repeated_error": "same error 3 rounds"}, RoundLostReply(False, "same error 3 rounds")),
         ({"repeated_error": "same error 3 rounds", "broken": True}, RoundLostReply(True)),
+        ({"others_alive": True}, RoundLostReply(False)),  # no peer lost: its own, before the wait
+        ({"failed_alike": True}, RoundLostReply(False)),
+        ({"failed_alike": True, "broken": True}, RoundLostReply(False)),  # its exit broke the round
+        ({"failed_other": True}, RoundLostReply(True)),
+        ({"failed_other": True, "others_alive": True}, RoundLostReply(True)),
+        ({"broken": True, "others_alive": True}, RoundLostReply(True)),
+        ({"collective": True, "failed_alike": True}, RoundLostReply(True)),
     ],
 )
 def test_classify_error(facts, reply):
