@@ -1,10 +1,55 @@
 #!/usr/bin/env bash
 # The README's test command: sets up .venv if needed (the project with its test, docs,
 # timeline and ray extras) and runs the whole suite.
+#
+# The whole suite runs in two lanes side by side: most of an integration test's time is
+# waiting (steps that sleep, timeouts that expire, processes that start), so one lane left
+# the machine's two cores idle half of the time. Each test file runs in one lane, in order;
+# the files that share the machine's namespaced hosts and Slurm cluster (made once per
+# pytest session) run in lane B, together with the files whose tests bound a heartbeat
+# timeout or a start-up tightly; the Lightning-heavy files, whose workers spend seconds
+# importing, run in lane A with the unit tests. Each lane's output is printed whole once
+# both have ended; the exit status is the first failing lane's.
+#
+# Arguments go to pytest. With any argument that is not an option (a test file, a -k
+# expression), the selection runs in one pytest, as given.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup-venv.sh" test
 cd "$root"
-# Two lanes side by side (tests/conftest.py says which file runs in which); `-n 0` after
-# this, or any arguments that select tests, still work as pytest reads them.
-exec "$root/.venv/bin/python" -m pytest -n 2 --dist loadgroup "$@"
+pytest=("$root/.venv/bin/python" -m pytest)
+
+for arg in "$@"; do
+    if [[ "$arg" != -* ]]; then
+        exec "${pytest[@]}" "$@"
+    fi
+done
+
+lane_b=(
+    tests/integration/test_bad_inputs.py tests/integration/test_broken_stdout.py
+    tests/integration/test_chaos_loop.py tests/integration/test_driver_restart.py
+    tests/integration/test_elastic_launch.py tests/integration/test_fleet.py
+    tests/integration/test_hostile.py tests/integration/test_multi_machine.py
+    tests/integration/test_namespaces.py tests/integration/test_slurm.py
+)
+ignore_b=()
+for file in "${lane_b[@]}"; do
+    [ -f "$file" ] || { echo "scripts/test.sh: lane B names $file, which does not exist" >&2; exit 2; }
+    ignore_b+=("--ignore=$file")
+done
+
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+"${pytest[@]}" "$@" tests "${ignore_b[@]}" >"$out/a" 2>&1 &
+lane_a=$!
+"${pytest[@]}" "$@" "${lane_b[@]}" >"$out/b" 2>&1 &
+lane_b_pid=$!
+status_a=0; wait "$lane_a" || status_a=$?
+status_b=0; wait "$lane_b_pid" || status_b=$?
+echo "==================== lane A: unit tests and the Lightning-heavy files ===================="
+cat "$out/a"
+echo "==================== lane B: namespaced hosts, Slurm, and tight time bounds ===================="
+cat "$out/b"
+echo "lanes: A exited $status_a, B exited $status_b"
+if [ "$status_a" -ne 0 ]; then exit "$status_a"; fi
+exit "$status_b"
