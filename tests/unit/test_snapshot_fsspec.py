@@ -186,3 +186,16 @@ def test_a_url_nothing_can_open_exits_2_with_one_line_naming_it_and_the_extra(ca
     assert err[0].startswith(f"lightning-elastic: error: {expected}")
     if setup == "no-s3fs":
         assert err[0].endswith("pip install 'lightning-elastic[snapshots-s3]'")
+
+
+def test_a_file_url_goes_through_fsspec_to_a_real_directory(tmp_path):
+    url = f"file://{tmp_path}/snaps"
+    write(url, (1, 2, 3), keep=2)
+    # fsspec's local file system made the directory; the objects are plain files there.
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [
+        "snapshot-2.json", "snapshot-2.pt", "snapshot-3.json", "snapshot-3.pt"]
+    found = files.newest_valid(url, pytest.fail)
+    assert found is not None and found.path == f"{url}/snapshot-3.pt" and found.name == "snapshot-3.pt"
+    assert le.load_snapshot(found.path)["values"] == {"step": 3}
+    # The same snapshot read through the plain path (the local store) agrees.
+    assert files.newest_valid(tmp_path / "snaps", pytest.fail).manifest == found.manifest
