@@ -434,6 +434,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     log_output.setFormatter(logging.Formatter("lightning-elastic %(asctime)s %(levelname)s %(message)s",
                                               datefmt="%H:%M:%S"))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[log_output])
+    if not args.verbose:
+        # A snapshot store's SDK (--snapshot-dir s3://...) logs where it found credentials
+        # at INFO on every launch; its warnings still show.
+        for sdk in ("botocore", "aiobotocore", "s3fs", "fsspec"):
+            logging.getLogger(sdk).setLevel(logging.WARNING)
     try:
         config = config_from_args(args)
     except ConfigError as err:

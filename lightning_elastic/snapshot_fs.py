@@ -239,7 +239,7 @@ class FsspecStore:
         except OSError:
             raise
         except Exception as err:  # noqa: BLE001
-            raise OSError(f"{self.location(name) if name else self.url}: {type(err).__name__}: {err}") from None
+            raise OSError(f"{type(err).__name__}: {err}" + (f": {self.location(name)}" if name else "")) from None
 
     def _fresh(self, path: str) -> None:
         # Listings and sizes are cached per file system object (s3fs): another process
