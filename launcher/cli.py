@@ -90,9 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--slurm", action="store_true",
                         help="run inside a Slurm allocation (sbatch, salloc): its nodes are the hosts, each worker "
                              "an srun step; a node that leaves the allocation leaves the job")
-    run.add_argument("--slurm-jobs", metavar="JOBID[,JOBID...]",
+    run.add_argument("--slurm-jobs", metavar="JOB[,JOB...]",
                      help="with --slurm: the nodes of these other allocations are hosts too, once they run "
-                          "(capacity that arrives as a second job)")
+                          "(capacity that arrives as more jobs); a JOB is an id, or a name that takes in "
+                          "every running job of yours so named")
     run.add_argument("--slots-per-host", "--slots", type=int, metavar="S",
                      help="slots of a discovered host that gives no count")
     run.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",

@@ -139,7 +139,8 @@ class SlurmSettings:
     """Slurm allocations as the host source (--slurm): their nodes are the hosts, each worker
     an srun step on its node."""
 
-    job_ids: tuple[str, ...]  # this allocation (SLURM_JOB_ID) first, then --slurm-jobs
+    job_ids: tuple[str, ...]  # this allocation (SLURM_JOB_ID) first, then --slurm-jobs' ids
+    job_names: tuple[str, ...] = ()  # --slurm-jobs' names: every running job of this user so named
     slots_per_host: int | None = None  # --slots-per-host; None: the allocation's tasks per node
     tasks_per_node: tuple[int, ...] = ()  # SLURM_TASKS_PER_NODE, expanded: one count per node
     nodelist: str = ""  # SLURM_JOB_NODELIST, the nodes those counts are of

@@ -27,9 +27,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from lightning_elastic.launcher import adoption, membership, policy, snapshots
 from lightning_elastic.launcher.config import LaunchConfig
@@ -63,6 +63,7 @@ from lightning_elastic import protocol as p
 AUTOLOAD_DIR = Path(p.__file__).resolve().parent / "_autoload"
 
 log = logging.getLogger("lightning_elastic.driver")
+T = TypeVar("T")
 
 
 def _listed(items: tuple[str, ...], omitted: int) -> list[str]:
@@ -829,7 +830,7 @@ class Driver:
                 self._waiting_said_at = now
                 left = self._config.elastic_timeout - (now - self._below_since)
                 log.warning("Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them.",
-                            required, available, listing(f"{h.host}:{h.slots}" for h in hosts) or "no host", left)
+                            required, available, listing(hosts, lambda h: f"{h.host}:{h.slots}") or "no host", left)
         else:
             self._below_since = None
             self._waiting_said_at = 0.0
@@ -929,8 +930,8 @@ class Driver:
         reg = self._registry
         self._target = list(new.target)
         self._standby = new.standby
-        log.info("Target world: %d slot(s): %s%s.", len(new.target), listing(str(a.slot) for a in new.target),
-                 f"; standby: {', '.join(map(str, new.standby))}" if new.standby else "")
+        log.info("Target world: %d slot(s): %s%s.", len(new.target), listing(new.target, lambda a: str(a.slot)),
+                 f"; standby: {listing(new.standby)}" if new.standby else "")
         for worker_id in new.leave:
             reg.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
             reg.wake(reg.workers[worker_id])
@@ -971,7 +972,7 @@ class Driver:
         later = len(view.target) - len(members)
         log.info(
             "Round %d formed with %d worker(s): %s%s.",
-            info.number, len(members), listing(f"rank {a.rank}={r.worker_id}" for r, a in members),
+            info.number, len(members), listing(members, lambda m: f"rank {m[1].rank}={m[0].worker_id}"),
             f"; {later} more still starting will join the next round" if later else "",
         )
         self._events.round_formed(
@@ -979,12 +980,12 @@ class Driver:
         return None
 
 
-def listing(items: Iterable[str], limit: int = 16) -> str:
+def listing(items: Sequence[T], show: Callable[[T], str] = str, limit: int = 16) -> str:
     """At most ``limit`` items, then how many more: a line of the driver's log stays a
-    line at 4,096 workers (the whole list made ~100 KB lines)."""
-    rest = iter(items)
-    shown = list(itertools.islice(rest, limit))
-    more = sum(1 for _ in rest)
+    line at 4,096 workers (the whole list made ~100 KB lines), and only the items shown
+    are formatted."""
+    shown = [show(item) for item in itertools.islice(items, limit)]
+    more = len(items) - len(shown)
     return ", ".join(shown) + (f", ... ({more} more)" if more else "")
 
 

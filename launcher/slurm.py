@@ -28,6 +28,9 @@ from lightning_elastic.launcher.hosts import HostSlots
 log = logging.getLogger(__name__)
 
 JOB_ID = re.compile(r"\d+")  # the raw id, as SLURM_JOB_ID gives it (an array task's too)
+# A --slurm-jobs entry that is not an id: a job name, as `sbatch -J` sets it. Kept to what a
+# name needs, so that nothing a shell or squeue's output format reads specially gets through.
+JOB_NAME = re.compile(r"[A-Za-z0-9_.+@:-]+")
 TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")  # one entry of SLURM_TASKS_PER_NODE: 2 or 2(x3)
 
 
@@ -45,12 +48,19 @@ def expand_tasks_per_node(text: str) -> list[int]:
 def slurm_settings(
     environ: Mapping[str, str], jobs: str | None, slots_per_host: int | None
 ) -> SlurmSettings:
-    """The allocations to run in: this one (``SLURM_JOB_ID``) and ``--slurm-jobs``; one-line errors."""
+    """The allocations to run in: this one (``SLURM_JOB_ID``) and ``--slurm-jobs`` (ids, or
+    names: every running job of this user with that name, so that capacity can arrive as
+    more jobs submitted under one name); one-line errors."""
     own = environ.get("SLURM_JOB_ID", "").strip()
-    others = tuple(j.strip() for j in (jobs or "").split(",") if j.strip())
-    for job in (own, *others) if own else others:
-        if not JOB_ID.fullmatch(job):
-            raise ConfigError(f"--slurm-jobs: expected Slurm job ids like 1234, got {job!r}")
+    if own and not JOB_ID.fullmatch(own):
+        raise ConfigError(f"SLURM_JOB_ID: expected a Slurm job id like 1234, got {own!r}")
+    entries = tuple(j.strip() for j in (jobs or "").split(",") if j.strip())
+    for entry in entries:
+        if not JOB_ID.fullmatch(entry) and not JOB_NAME.fullmatch(entry):
+            raise ConfigError(f"--slurm-jobs: expected Slurm job ids like 1234 or job names like more-gpus, "
+                              f"got {entry!r}")
+    others = tuple(e for e in entries if JOB_ID.fullmatch(e))
+    names = tuple(dict.fromkeys(e for e in entries if not JOB_ID.fullmatch(e)))
     if not own:
         raise ConfigError("--slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set): run it in an "
                           "sbatch script or under salloc")
@@ -59,6 +69,7 @@ def slurm_settings(
     tasks = environ.get("SLURM_TASKS_PER_NODE", "").strip()
     return SlurmSettings(
         job_ids=tuple(dict.fromkeys((own, *others))),
+        job_names=names,
         slots_per_host=slots_per_host,
         tasks_per_node=tuple(expand_tasks_per_node(tasks)) if tasks else (),
         nodelist=environ.get("SLURM_JOB_NODELIST", "").strip(),
@@ -95,18 +106,24 @@ class SlurmDiscovery:
     def discover(self) -> list[HostSlots]:
         # This user's running jobs, filtered here: `squeue -j` fails as a whole once one of
         # the ids is purged (a second allocation that ended), which would blind discovery to
-        # the others. %A is the raw job id, as SLURM_JOB_ID gives it (array tasks included).
-        out = self._run(["squeue", "-h", "--me", "-t", "RUNNING", "-o", "%A %N"])
+        # the others. %A is the raw job id, as SLURM_JOB_ID gives it (array tasks included);
+        # the name comes last, where a space in it cannot shift the other fields.
+        out = self._run(["squeue", "-h", "--me", "-t", "RUNNING", "-o", "%A %N %j"])
         by_job: dict[str, list[str]] = {}
+        named: list[str] = []  # the running jobs --slurm-jobs names, in squeue's order
         for line in out.splitlines():
-            job, _, nodelist = line.strip().partition(" ")
-            if job in self.settings.job_ids and nodelist.strip():
-                by_job[job] = self._expand(nodelist.strip())
+            job, nodelist, name = (line.strip().split(" ", 2) + ["", ""])[:3]
+            wanted = job in self.settings.job_ids or name in self.settings.job_names
+            if wanted and nodelist:
+                by_job[job] = self._expand(nodelist)
+                if job not in self.settings.job_ids:
+                    named.append(job)
         if self._slots is None:
             self._slots = self._allocation_slots()
         hosts: list[HostSlots] = []
         job_of: dict[str, str] = {}
-        for job in self.settings.job_ids:  # this allocation's nodes first, in Slurm's order
+        # This allocation's nodes first, in Slurm's order; then the other ids', then the named jobs'.
+        for job in (*self.settings.job_ids, *sorted(named, key=int)):
             for node in by_job.get(job, []):
                 if node not in job_of:
                     job_of[node] = job

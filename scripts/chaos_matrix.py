@@ -140,7 +140,7 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "a worker SIGKILLed; every step says SLURM_PROCID=0, SLURM_NTASKS=1",
      "success at 2 of 3; ranks 0-2 of 3 from the elastic job", f"{EO}, {SAME}, LR schedule"),
     ("test_slurm.py::test_a_second_allocations_node_joins_the_running_job", "Slurm",
-     "a second allocation (`--slurm-jobs`) starts mid-training", "success; sizes 2 -> 3, nothing rolled back", EO),
+     "a second allocation (`--slurm-jobs`, by its job name) starts mid-training", "success; sizes 2 -> 3, nothing rolled back", EO),
     ("test_slurm.py::test_slurm_outside_an_allocation_is_one_line", "Slurm",
      "`--slurm` outside an allocation", "one line, nothing started", "—"),
 ]

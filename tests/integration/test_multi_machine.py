@@ -257,7 +257,7 @@ def test_driver_killed_or_stopped_leaves_no_worker_on_any_host(
 def test_secret_never_shown_and_store_refuses_an_intruder(job: Job, hosts: NamespacedHosts) -> None:
     h1, h2, h3 = hosts.names
     job.start(launch_args(hosts, "-np", "3", "--min-np", "1", "-H", f"{h1}:1,{h2}:1,{h3}:1"),
-              [*SLOW, "--epochs", "6"], capture_secret=True)
+              [*SLOW, "--epochs", "3"], capture_secret=True)
     job.wait_rounds(1)
     job.wait_steps(3)
     secret = job.secret()
@@ -290,7 +290,7 @@ def test_secret_never_shown_and_store_refuses_an_intruder(job: Job, hosts: Names
     os.kill(job.worker_pid(h2), signal.SIGKILL)
     assert job.wait() == 0, job.stderr()[-3000:]
     assert job.world_sizes() == [3, 2]
-    assert_epochs_complete(job, 6)
+    assert_epochs_complete(job, 3)
     assert_replicas_identical(job)
 
 

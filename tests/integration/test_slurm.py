@@ -152,14 +152,15 @@ def test_lightning_under_slurm_keeps_the_elastic_ranks_through_a_killed_worker(j
 @pytest.mark.timeout(150)
 def test_a_second_allocations_node_joins_the_running_job(job: Job, slurm: SlurmCluster) -> None:
     # Capacity on Slurm arrives as another job: held until the elastic job trains, then
-    # released, it starts on its node, and the elastic job grows onto it.
+    # released, it starts on its node, and the elastic job grows onto it. Named by its job
+    # name, as capacity submitted again and again under one name would be.
     n1, n2, n3 = slurm.nodes[:3]
     job_id = slurm.allocate([n1, n2])
     out = slurm.run(["sbatch", "--hold", "--no-kill", "-N1", "-w", n3, "-J", "le-more", "-o", "/dev/null",
                      "--wrap", "sleep 600"]).stdout
     second = out.split()[-1]
     assert second.isdigit(), out
-    job.start(["--slurm", "--slurm-jobs", second, "-np", "2", "--min-np", "1", "--max-np", "3",
+    job.start(["--slurm", "--slurm-jobs", "le-more", "-np", "2", "--min-np", "1", "--max-np", "3",
                "--discovery-interval", "0.2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)],
               [*SLOW, "--epochs", "4"], env={**slurm.env, "SLURM_JOB_ID": job_id})
     job.wait_rounds(1)

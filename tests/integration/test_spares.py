@@ -45,7 +45,7 @@ def started_workers(job: Job) -> list[str]:
 def test_survivors_resume_before_a_slow_spare_starts_and_it_joins_without_rollback(job: Job) -> None:
     job.set_hosts(H1, H2, H3, H4)  # 127.0.0.4 is a spare: --max-np 3
     job.start(discovery_args(job, "-np", "3", "--min-np", "1", "--max-np", "3"),
-              [*SLOW, "--epochs", "7", "--start-delay", "8", "--start-delay-on-host", SPARE])
+              [*SLOW, "--epochs", "5", "--start-delay", "5", "--start-delay-on-host", SPARE])
     job.wait_rounds(1)
     job.wait_steps(5)
     os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
@@ -60,7 +60,7 @@ def test_survivors_resume_before_a_slow_spare_starts_and_it_joins_without_rollba
     assert synced_step(job, 3) == last_step_of_round(job, 2)
     joiner = [e for e in job.events("synced") if e["worker"].startswith(SPARE)]
     assert joiner and joiner[0]["round"] == 3
-    assert_epochs_complete(job, 7)
+    assert_epochs_complete(job, 5)
     assert_replicas_identical(job)
 
 

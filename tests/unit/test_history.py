@@ -41,5 +41,8 @@ def test_the_summary_of_a_long_job_says_how_many_it_leaves_out() -> None:
 def test_a_log_listing_names_sixteen_and_counts_the_rest() -> None:
     from lightning_elastic.launcher.driver import listing
 
-    assert listing(f"rank {n}" for n in range(4096)) == ", ".join(f"rank {n}" for n in range(16)) + ", ... (4080 more)"
+    shown = []
+    text = listing(range(4096), lambda n: shown.append(n) or f"rank {n}")
+    assert text == ", ".join(f"rank {n}" for n in range(16)) + ", ... (4080 more)"
+    assert shown == list(range(16))  # the rest is counted, not formatted
     assert listing(["a", "b"]) == "a, b" and listing([]) == ""

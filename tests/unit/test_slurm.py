@@ -44,8 +44,13 @@ def test_outside_an_allocation_slurm_is_one_line_naming_it(tmp_path, monkeypatch
     fake_tools(tmp_path, monkeypatch, srun="exit 0", squeue="exit 0")
     with pytest.raises(ConfigError, match=r"^--slurm: not inside a Slurm allocation \(SLURM_JOB_ID is not set\)"):
         slurm_settings({}, None, None)
-    with pytest.raises(ConfigError, match=r"--slurm-jobs: expected Slurm job ids like 1234, got 'x;rm'"):
+    with pytest.raises(ConfigError, match=r"--slurm-jobs: expected Slurm job ids like 1234 or job names like "
+                                          r"more-gpus, got 'x;rm'"):
         slurm_settings({"SLURM_JOB_ID": "7"}, "8,x;rm", None)
+    with pytest.raises(ConfigError, match=r"--slurm-jobs: .* got 'two words'"):
+        slurm_settings({"SLURM_JOB_ID": "7"}, "two words", None)
+    with pytest.raises(ConfigError, match=r"^SLURM_JOB_ID: expected a Slurm job id like 1234, got 'x'$"):
+        slurm_settings({"SLURM_JOB_ID": "x"}, None, None)
     with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE: expected entries like 2 or 2"):
         slurm_settings({"SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "two"}, None, None)
 
@@ -55,6 +60,8 @@ def test_the_allocation_and_other_jobs_come_from_the_environment_and_slurm_jobs(
     settings = slurm_settings({"SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "n[1-2]"},
                               "8, 7", None)
     assert settings == SlurmSettings(job_ids=("7", "8"), tasks_per_node=(2, 2), nodelist="n[1-2]")
+    named = slurm_settings({"SLURM_JOB_ID": "7"}, "more-gpus,8,more-gpus,spot.b", None)
+    assert (named.job_ids, named.job_names) == (("7", "8"), ("more-gpus", "spot.b"))
 
 
 def test_cli_slurm_defaults_np_to_the_allocations_tasks_and_is_a_host_source(tmp_path, monkeypatch):
@@ -77,7 +84,8 @@ def test_discovery_lists_running_jobs_nodes_in_order_with_their_slots_and_jobs(t
     fake_tools(
         tmp_path, monkeypatch,
         # Another job of this user's (9) is not ours: left out.
-        squeue=f'echo "$@" > {tmp_path / "squeue.args"}; echo "8 m1"; echo "9 x1"; echo "7 n[1-2]"',
+        squeue=f'echo "$@" > {tmp_path / "squeue.args"}; echo "8 m1 more"; echo "9 x1 other job"; '
+               'echo "7 n[1-2] train"',
         scontrol='[ "$1 $2" = "show hostnames" ] || exit 1; echo "$3" | sed "s/n\\[1-2\\]/n1 n2/" | tr " " "\\n"',
     )
     nodes = SlurmNodes("7")
@@ -86,7 +94,22 @@ def test_discovery_lists_running_jobs_nodes_in_order_with_their_slots_and_jobs(t
     assert found == [HostSlots("n1", 2), HostSlots("n2", 3), HostSlots("m1", 1)]
     assert (nodes.job_of("n2"), nodes.job_of("m1"), nodes.job_of("unknown")) == ("7", "8", "7")
     # Never `-j IDS`: squeue fails as a whole once one of them is purged.
-    assert (tmp_path / "squeue.args").read_text().split() == ["-h", "--me", "-t", "RUNNING", "-o", "%A", "%N"]
+    assert (tmp_path / "squeue.args").read_text().split() == ["-h", "--me", "-t", "RUNNING", "-o", "%A", "%N", "%j"]
+
+
+def test_a_job_name_takes_in_every_running_job_so_named_after_the_ids(tmp_path, monkeypatch):
+    fake_tools(
+        tmp_path, monkeypatch,
+        # Two jobs named "more" (capacity submitted twice), one job with a space in its name;
+        # a pending job of that name shows no nodes and brings none.
+        squeue='echo "12 m2 more"; echo "9 x1 more than this"; echo "7 n1 train"; echo "11 m1 more"; '
+               'echo "13  more"; echo "8 k1 spot"',
+    )
+    nodes = SlurmNodes("7")
+    settings = SlurmSettings(job_ids=("7", "8"), job_names=("more",))
+    found = SlurmDiscovery(settings, nodes).discover()
+    assert [h.host for h in found] == ["n1", "k1", "m1", "m2"]
+    assert (nodes.job_of("m1"), nodes.job_of("m2"), nodes.job_of("k1")) == ("11", "12", "8")
 
 
 def test_a_failing_squeue_is_a_discovery_error_with_its_message(tmp_path, monkeypatch):
