@@ -26,7 +26,7 @@ from lightning_elastic.launcher.hosts import HostSlots, count_slots, parse_host_
 from lightning_elastic.launcher.log_writer import BackgroundStreamHandler
 from lightning_elastic.launcher.network import explicit_driver_address
 from lightning_elastic.launcher.processes.output import WRITE_ERRORS, flush_or_discard
-from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings
+from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings, is_url
 
 PROG = "lightning-elastic"
 ENV_PREFIX = "LIGHTNING_ELASTIC_"
@@ -153,9 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the one TCP port the driver serves workers on (rendezvous and store), for a "
                              "firewall to let through (default: any free port)")
     durable = run.add_argument_group("durable snapshots")
-    durable.add_argument("--snapshot-dir", type=Path, metavar="DIR",
+    durable.add_argument("--snapshot-dir", metavar="DIR",
                          help="write the newest commit to DIR in the background (rank 0, atomic, checksummed) and "
-                              "resume a new launch from the newest valid snapshot there; local or shared file system")
+                              "resume a new launch from the newest valid snapshot there; a local or shared file "
+                              "system, or an fsspec URL such as s3://bucket/prefix (extra lightning-elastic[snapshots-s3])")
     durable.add_argument("--snapshot-every", type=float, metavar="SECONDS",
                          help="seconds between snapshots (default: 60; with --snapshot-dir)")
     durable.add_argument("--snapshot-keep", type=int, metavar="K",
@@ -259,7 +260,8 @@ def snapshot_settings(args: argparse.Namespace) -> SnapshotSettings | None:
     defaults = SnapshotSettings(Path("."))
     try:
         return SnapshotSettings(
-            directory=args.snapshot_dir.absolute(),
+            # A URL (s3://bucket/prefix) is the object store's, as it is; a path is made absolute.
+            directory=args.snapshot_dir if is_url(args.snapshot_dir) else Path(args.snapshot_dir).absolute(),
             every=args.snapshot_every if args.snapshot_every is not None else defaults.every,
             keep=args.snapshot_keep if args.snapshot_keep is not None else defaults.keep,
             resume=not args.no_resume,
@@ -433,6 +435,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     log_output.setFormatter(logging.Formatter("lightning-elastic %(asctime)s %(levelname)s %(message)s",
                                               datefmt="%H:%M:%S"))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[log_output])
+    if not args.verbose:
+        # A snapshot store's SDK (--snapshot-dir s3://...) logs where it found credentials
+        # at INFO on every launch; its warnings still show.
+        for sdk in ("botocore", "aiobotocore", "s3fs", "fsspec"):
+            logging.getLogger(sdk).setLevel(logging.WARNING)
     try:
         config = config_from_args(args)
     except ConfigError as err:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Iterable
 
 from lightning_elastic import __version__
@@ -26,9 +25,11 @@ from lightning_elastic.snapshot_files import (
     ENV_NO_RESUME,
     ENV_RESUME_FROM,
     Found,
+    SnapshotError,
     SnapshotSettings,
     job_id_of,
     newest_valid,
+    open_store,
 )
 
 log = logging.getLogger("lightning_elastic.driver")
@@ -52,10 +53,13 @@ def choose(settings: SnapshotSettings | None, command: Iterable[str], events: Ev
         return None
     directory = settings.directory
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        store = open_store(directory)  # a local directory, or an fsspec URL's object store
+        store.make()
+    except SnapshotError as err:
+        raise ConfigError(str(err)) from None
     except OSError as err:
         raise ConfigError(f"--snapshot-dir: cannot create {directory}: {err.strerror or err}") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
+    if not store.writable():
         log.warning("--snapshot-dir %s is not writable: no snapshot will be written (training goes on).", directory)
     job_id = job_id_of(tuple(command))
     env = {
@@ -68,7 +72,7 @@ def choose(settings: SnapshotSettings | None, command: Iterable[str], events: Ev
     if not settings.resume:
         log.info("--no-resume: starting over; snapshots go to %s.", directory)
         return Resume(env, None)
-    found = newest_valid(directory, lambda text: log.warning("Resuming: %s.", text))
+    found = newest_valid(store, lambda text: log.warning("Resuming: %s.", text))
     if found is None:
         log.info("No snapshot to resume from in %s: starting from the beginning.", directory)
         return Resume(env, None)
@@ -76,10 +80,10 @@ def choose(settings: SnapshotSettings | None, command: Iterable[str], events: Ev
     if m.job_id and m.job_id != job_id:
         log.warning("Snapshot %s was written by a launch with another command (job id %s, this one %s): resuming "
                     "from it anyway; pass --no-resume or another --snapshot-dir to start over.",
-                    found.path.name, m.job_id, job_id)
+                    found.name, m.job_id, job_id)
     if m.library != __version__:
         log.warning("Snapshot %s was written by lightning-elastic %s, this is %s: resuming from it (its format, %d, "
-                    "is one this version reads).", found.path.name, m.library, __version__, m.format)
+                    "is one this version reads).", found.name, m.library, __version__, m.format)
     log.info("Resuming from snapshot %s (step %d, epoch %d, written at world size %d).",
              found.path, m.step, m.epoch, m.world_size)
     events.emit("resumed_from_snapshot", path=str(found.path), sequence=m.sequence, step=m.step, epoch=m.epoch,

@@ -39,6 +39,8 @@ def init(
     override the launcher's ``--snapshot-dir``, ``--snapshot-every``, ``--snapshot-keep`` and
     ``--no-resume`` (for a job started otherwise): rank 0 writes its newest commit there in
     the background, and the first round resumes from the newest valid snapshot found.
+    ``snapshot_dir`` may be an fsspec URL (``"s3://bucket/prefix"``; the extra
+    ``lightning-elastic[snapshots-s3]``).
     """
     global _worker
     if _worker is None:
@@ -144,7 +146,8 @@ def load_snapshot(path: str | os.PathLike[str], verify: bool = True) -> Any:
     """The state tree a durable snapshot holds (``--snapshot-dir``), on the CPU.
 
     ``path``: a snapshot's data file (``snapshot-N.pt``), its manifest (``snapshot-N.json``)
-    or the snapshot directory itself (its newest valid snapshot). A ``le.TorchState``'s
+    or the snapshot directory itself (its newest valid snapshot); a local path or an fsspec
+    URL (``"s3://bucket/prefix/snapshot-3.pt"``). A ``le.TorchState``'s
     snapshot is ``{"values": {name: value}, "stateful": {name: state_dict}}``; an
     ``elastic_hvd`` job's is a Lightning checkpoint. The checksum in the manifest is checked
     first (``verify=False`` skips it); a snapshot that fails it raises ``ValueError``. It

@@ -12,6 +12,10 @@ the manifest's rename is what makes a snapshot exist, so a crash at any moment l
 either a complete snapshot or none (a stray temporary file, removed by the next writer).
 A data file that no longer matches its manifest's checksum (truncated, overwritten) is
 skipped when resuming, with a warning, in favour of the previous snapshot.
+
+The directory may also be an fsspec URL (``s3://bucket/prefix``): every file operation
+goes through a ``snapshot_fs.Store``, which for an object store writes each file under
+its final name (no rename there); the manifest, written last, still decides.
 """
 
 from __future__ import annotations
@@ -20,16 +24,28 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, BinaryIO
+
+from lightning_elastic.snapshot_fs import (  # noqa: F401 - re-exported: snapshot_files is the API
+    TEMP_PREFIX,
+    Location,
+    SnapshotError,
+    Store,
+    as_location,
+    base_name,
+    fsync_directory,
+    check_url,
+    is_url,
+    open_store,
+    split,
+    write_atomically,
+)
 
 # The manifest's format: a snapshot written by a newer format is refused, not guessed at.
 FORMAT = 1
 _NAME = re.compile(r"^snapshot-(\d{1,12})\.json$")
-TEMP_PREFIX = ".tmp-snapshot-"
 _CHUNK = 1 << 22
 
 # What the launcher tells its workers (--snapshot-*); read by lightning_elastic.snapshot_store.
@@ -42,15 +58,11 @@ ENV_RESUME_FROM = "LIGHTNING_ELASTIC_RESUME_FROM"
 ENV_JOB_ID = "LIGHTNING_ELASTIC_JOB_ID"  # the launch's job id, recorded in each manifest
 
 
-class SnapshotError(ValueError):
-    """A snapshot setting or file that cannot be used; the message is one line."""
-
-
 @dataclasses.dataclass(frozen=True)
 class SnapshotSettings:
     """Where and how often the newest commit is persisted (``--snapshot-*``)."""
 
-    directory: Path
+    directory: Location  # a Path, or an fsspec URL (a str)
     every: float = 60.0  # seconds between the starts of two snapshots
     keep: int = 2  # complete snapshots kept; older ones are deleted
     resume: bool = True  # False: --no-resume, start over even if the directory holds snapshots
@@ -58,7 +70,10 @@ class SnapshotSettings:
     def __post_init__(self) -> None:
         if not str(self.directory).strip():
             raise SnapshotError("--snapshot-dir: expected a directory, got an empty path")
-        if self.directory.exists() and not self.directory.is_dir():
+        object.__setattr__(self, "directory", as_location(self.directory))
+        if isinstance(self.directory, str):
+            check_url(self.directory)
+        elif self.directory.exists() and not self.directory.is_dir():
             raise SnapshotError(f"--snapshot-dir: {self.directory} is a file, expected a directory")
         # "not > 0" refuses NaN too; inf would mean never.
         if not (self.every > 0 and math.isfinite(self.every)):
@@ -122,10 +137,14 @@ class Manifest:
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """A snapshot on disk: its manifest and the data file's path."""
+    """A snapshot on disk: its manifest and the data file's path (or URL)."""
 
     manifest: Manifest
-    path: Path
+    path: Location
+
+    @property
+    def name(self) -> str:
+        return self.manifest.data_name
 
 
 class HashingWriter:
@@ -149,118 +168,81 @@ class HashingWriter:
         return self._hash.hexdigest()
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Location) -> str:
+    store, name = split(path)
+    return store_sha256(store, name)
+
+
+def store_sha256(store: Store, name: str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with store.open_read(name) as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def next_sequence(directory: Path) -> int:
+def next_sequence(directory: Location | Store) -> int:
     """One more than the highest snapshot number in ``directory`` (1 when there is none)."""
-    numbers = [n for n, _ in _manifest_files(directory)]
+    numbers = [n for n, _ in _manifest_files(open_store(directory))]
     return max(numbers, default=0) + 1
 
 
-def _manifest_files(directory: Path) -> list[tuple[int, Path]]:
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
+def _manifest_files(store: Store) -> list[tuple[int, str]]:
+    """``(number, manifest name)`` of each snapshot, oldest first."""
     found = []
-    for name in names:
+    for name in store.names():
         match = _NAME.match(name)
         if match:
-            found.append((int(match.group(1)), directory / name))
+            found.append((int(match.group(1)), name))
     return sorted(found)
 
 
-def write_atomically(path: Path, fill: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through ``fill(file)``: a temporary name, fsync, rename, fsync the directory."""
-    temp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
-    try:
-        with open(temp, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            temp.unlink()
-        except OSError:
-            pass
-        raise
-    fsync_directory(path.parent)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def publish(directory: Path, manifest: Manifest) -> None:
+def publish(directory: Location | Store, manifest: Manifest) -> None:
     """Write ``manifest`` next to its data file, which is complete and durable already."""
     text = manifest.to_json().encode()
-    write_atomically(directory / manifest.manifest_name, lambda f: f.write(text))
+    open_store(directory).write(manifest.manifest_name, lambda f: f.write(text))
 
 
-def prune(directory: Path, keep: int) -> None:
+def prune(directory: Location | Store, keep: int) -> None:
     """Delete all but the newest ``keep`` snapshots (manifest first: a snapshot stops
     existing before its data goes) and temporary files left by a crashed writer."""
-    manifests = _manifest_files(directory)
+    store = open_store(directory)
+    manifests = _manifest_files(store)
     for number, manifest in manifests[: max(0, len(manifests) - keep)]:
-        for path in (manifest, directory / f"snapshot-{number}.pt"):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return
-    mine = f"{TEMP_PREFIX}{os.getpid()}-"
-    for name in names:
-        # Another process's temporary file may be a write in progress (two jobs, one
-        # directory); only this process's own leftovers are certainly dead.
-        if name.startswith(mine):
-            try:
-                (directory / name).unlink()
-            except FileNotFoundError:
-                pass
+        for name in (manifest, f"snapshot-{number}.pt"):
+            store.delete(name)
+    store.clean_up()
 
 
-def snapshots(directory: Path) -> Iterator[tuple[int, Path]]:
+def snapshots(directory: Location | Store) -> Iterator[tuple[int, Location]]:
     """``(number, manifest path)`` of every snapshot in ``directory``, newest first."""
-    return iter(reversed(_manifest_files(directory)))
+    store = open_store(directory)
+    return iter([(n, store.location(name)) for n, name in reversed(_manifest_files(store))])
 
 
-def check(manifest_path: Path, verify: bool = True) -> Found:
+def check(manifest_path: Location, verify: bool = True) -> Found:
     """The snapshot of ``manifest_path``, its checksum verified; ``SnapshotError`` says why not."""
+    store, name = split(manifest_path)
+    return _check(store, name, verify)
+
+
+def _check(store: Store, manifest_name: str, verify: bool) -> Found:
+    where = store.location(manifest_name)
     try:
-        text = manifest_path.read_text()
+        text = store.read_bytes(manifest_name).decode()
     except (OSError, UnicodeDecodeError) as err:
-        raise SnapshotError(f"{manifest_path}: cannot read the manifest ({err})") from None
-    manifest = Manifest.from_json(text, str(manifest_path))
-    data = manifest_path.with_name(manifest.data_name)
+        raise SnapshotError(f"{where}: cannot read the manifest ({err})") from None
+    manifest = Manifest.from_json(text, str(where))
+    data = store.location(manifest.data_name)
     try:
-        size = data.stat().st_size
+        size = store.size(manifest.data_name)
     except OSError as err:
         raise SnapshotError(f"{data}: {err.strerror or err}") from None
     if size != manifest.size:
         raise SnapshotError(f"{data}: {size} bytes, its manifest says {manifest.size} (torn or truncated)")
     if verify:
         try:
-            digest = file_sha256(data)
+            digest = store_sha256(store, manifest.data_name)
         except OSError as err:
             raise SnapshotError(f"{data}: {err.strerror or err}") from None
         if digest != manifest.sha256:
@@ -268,16 +250,17 @@ def check(manifest_path: Path, verify: bool = True) -> Found:
     return Found(manifest, data)
 
 
-def newest_valid(directory: Path, warn: Callable[[str], None]) -> Found | None:
+def newest_valid(directory: Location | Store, warn: Callable[[str], None]) -> Found | None:
     """The newest snapshot in ``directory`` whose data matches its manifest, or None.
 
     Each newer one that does not is named through ``warn`` and skipped.
     """
-    for _, manifest_path in snapshots(directory):
+    store = open_store(directory)
+    for _, manifest_name in reversed(_manifest_files(store)):
         try:
-            return check(manifest_path)
+            return _check(store, manifest_name, verify=True)
         except SnapshotError as err:
-            warn(f"skipping snapshot {manifest_path.name}: {err}")
+            warn(f"skipping snapshot {manifest_name}: {err}")
     return None
 
 

@@ -25,7 +25,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from lightning_elastic import snapshot_files as files
@@ -37,6 +36,7 @@ from lightning_elastic.snapshot_files import (
     ENV_NO_RESUME,
     ENV_RESUME_FROM,
     Found,
+    Location,
     Manifest,
     SnapshotError,
     SnapshotSettings,
@@ -81,18 +81,18 @@ def settings_from_environment(environ: Any = os.environ) -> SnapshotSettings | N
     except ValueError as err:
         raise SnapshotError(f"{ENV_EVERY}/{ENV_KEEP}: {err}") from None
     resume = environ.get(ENV_NO_RESUME, "").strip().lower() not in ("1", "true", "yes", "on")
-    return SnapshotSettings(Path(directory), every, keep, resume)
+    return SnapshotSettings(files.as_location(directory), every, keep, resume)
 
 
 def plan(environ: Any = os.environ, directory: str | os.PathLike[str] | None = None, every: float | None = None,
-         keep: int | None = None, resume: bool | None = None) -> tuple[SnapshotSettings | None, Path | None]:
+         keep: int | None = None, resume: bool | None = None) -> tuple[SnapshotSettings | None, Location | None]:
     """``(settings, resume_from)``: the launcher's environment, overridden by ``le.init``'s
     arguments. ``resume_from`` is the snapshot the driver chose (None: it chose none, or
     there is no driver)."""
     settings = settings_from_environment(environ)
     if directory is not None:
-        base = settings or SnapshotSettings(Path(directory))
-        settings = SnapshotSettings(Path(directory), base.every, base.keep, base.resume)
+        base = settings or SnapshotSettings(files.as_location(directory))
+        settings = SnapshotSettings(files.as_location(directory), base.every, base.keep, base.resume)
     elif settings is None and (every is not None or keep is not None or resume is not None):
         raise SnapshotError("snapshot_every, snapshot_keep and resume need snapshot_dir (or the launcher's "
                             "--snapshot-dir)")
@@ -105,7 +105,7 @@ def plan(environ: Any = os.environ, directory: str | os.PathLike[str] | None = N
         settings.resume if resume is None else resume,
     )
     chosen = environ.get(ENV_RESUME_FROM, "").strip()
-    return settings, (Path(chosen) if chosen and settings.resume else None)
+    return settings, (files.as_location(chosen) if chosen and settings.resume else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +113,8 @@ class ResumePlan:
     """What the first round resumes from: ``path``, the snapshot the driver chose and
     verified, or (None) the newest valid one in ``directory``, searched by rank 0."""
 
-    path: Path | None
-    directory: Path
+    path: Location | None
+    directory: Location
 
     def locate(self) -> Found | None:
         if self.path is not None:
@@ -225,8 +225,8 @@ class SnapshotWriter:
     def _write_files(self, committed: Committed, info: SnapshotInfo) -> Manifest:
         import torch
 
-        directory = self.settings.directory
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = files.open_store(self.settings.directory)  # a local directory or an object store
+        directory.make()
         # The next number after this writer's last and after any in the directory (the
         # previous rank 0 of the job wrote there too); a failed write uses none up.
         sequence = max((self._sequence or 0) + 1, files.next_sequence(directory))
@@ -242,7 +242,7 @@ class SnapshotWriter:
             writer = box["w"] = files.HashingWriter(f)
             torch.save(tree, writer)
 
-        files.write_atomically(directory / f"snapshot-{sequence}.pt", fill)
+        directory.write(f"snapshot-{sequence}.pt", fill)  # atomically: see snapshot_fs
         library, torch_version = _versions()
         manifest = Manifest(
             sequence=sequence, round=info.round, step=info.step, epoch=info.epoch, world_size=info.world_size,
@@ -272,12 +272,20 @@ def load_snapshot(path: str | os.PathLike[str], verify: bool = True) -> Any:
     is verified first (``verify=False`` skips it). Like ``torch.load`` of a full
     checkpoint, it unpickles Python objects: load snapshots from directories you trust.
     """
-    found = locate(Path(path), verify, lambda text: log.warning("%s", text))
+    found = locate(files.as_location(path), verify, lambda text: log.warning("%s", text))
     return read_tree(found.path)
 
 
-def locate(path: Path, verify: bool, warn: Callable[[str], None]) -> Found:
+def locate(path: Location, verify: bool, warn: Callable[[str], None]) -> Found:
     """The snapshot ``path`` names (see ``load_snapshot``), or ``SnapshotError``."""
+    if isinstance(path, str):  # a URL: a snapshot file's, else a directory's
+        name = files.base_name(path)
+        if not name.endswith((".pt", ".json")):
+            found = files.newest_valid(path, warn)
+            if found is None:
+                raise SnapshotError(f"{path}: no valid snapshot there")
+            return found
+        return files.check(path[: -len(name)] + name.rsplit(".", 1)[0] + ".json", verify)
     if path.is_dir():
         found = files.newest_valid(path, warn)
         if found is None:
@@ -289,10 +297,14 @@ def locate(path: Path, verify: bool, warn: Callable[[str], None]) -> Found:
     return files.check(manifest, verify)
 
 
-def read_tree(path: Path) -> Any:
+def read_tree(path: Location) -> Any:
     import torch
 
     try:
+        if isinstance(path, str) and files.is_url(path):
+            store, name = files.split(path)
+            with store.open_read(name) as f:  # seekable: torch.load reads the zip's index first
+                return torch.load(f, map_location="cpu", weights_only=False)
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - any unpickling error: one line naming the file
         raise SnapshotError(f"{path}: cannot be loaded ({type(err).__name__}: {err})") from None

@@ -162,7 +162,7 @@ class ObjectState(State):
             return None
         if worker.assignment.rank != 0:
             # Rank 0 decides; its state reaches this rank in the sync that follows.
-            return plan.path.name if plan.path is not None else "a snapshot"
+            return snapshot_store.files.base_name(plan.path) if plan.path is not None else "a snapshot"
         found = plan.locate()
         if found is None:
             return None
@@ -171,7 +171,7 @@ class ObjectState(State):
         m = found.manifest
         log.info("Resuming from snapshot %s: step %d, epoch %d, written at world size %d (now %d).",
                  found.path, m.step, m.epoch, m.world_size, worker.assignment.size)
-        return found.path.name
+        return found.name
 
     def load_tree(self, tree: Any, where: str = "the snapshot") -> None:
         """Make ``tree`` (what ``le.load_snapshot`` returns) the live state and the commit."""

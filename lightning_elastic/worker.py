@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +28,7 @@ from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
 from lightning_elastic.preemption import PreemptionHandler
-from lightning_elastic.snapshot_files import ENV_DIR, ENV_JOB_ID, SnapshotSettings
+from lightning_elastic.snapshot_files import ENV_DIR, ENV_JOB_ID, Location, SnapshotSettings
 from lightning_elastic.process_group import (
     BackendChoice,
     abandon_round_group,
@@ -262,7 +261,7 @@ class ElasticWorker:
         self.snapshot_writer: SnapshotWriter | None = None
         self.resume_from: ResumePlan | None = None
 
-    def configure_snapshots(self, settings: SnapshotSettings | None, resume_from: Path | None = None) -> None:
+    def configure_snapshots(self, settings: SnapshotSettings | None, resume_from: Location | None = None) -> None:
         """Persist commits as ``settings`` say; ``resume_from``: the snapshot the driver chose.
 
         Without a driver's choice (a job started otherwise than by the launcher) the first

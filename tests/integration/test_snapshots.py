@@ -195,3 +195,76 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     for epoch in (0, 1):
         seen = [i for records in history.values() for r in records if r["epoch"] == epoch for i in r["indices"]]
         assert sorted(seen) == list(range(lit.SAMPLES)), f"epoch {epoch}: not exactly once"
+
+
+@pytest.mark.timeout(120)
+def test_a_job_killed_whole_resumes_from_its_newest_snapshot_in_an_object_store(job: Job) -> None:
+    """``--snapshot-dir s3://bucket/job``: the same kill and relaunch as above, with the
+    snapshots in an S3 bucket (the fsspec store: objects under their final names, the
+    manifest last, pruning deletes objects).
+
+    moto's S3 server, on 127.0.0.1 in this test's process, stands in for an object store,
+    which cannot run here; the job reaches it as it would a real one, through the AWS_*
+    variables (``AWS_ENDPOINT_URL`` for the endpoint) forwarded with ``-x``.
+    """
+    import logging
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        credentials = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=credentials["AWS_ENDPOINT_URL"])
+        fs.mkdir("bucket")
+        env = {**os.environ, **credentials}
+
+        def stored() -> list[dict]:
+            fs.invalidate_cache("bucket/job")
+            found = []
+            for path in fs.ls("bucket/job", detail=False) if fs.exists("bucket/job") else []:
+                if path.endswith(".json"):
+                    try:
+                        found.append(json.loads(fs.cat_file(path)))
+                    except (OSError, ValueError):
+                        continue  # pruned since listed
+            return sorted(found, key=lambda m: m["sequence"])
+
+        def mid_epoch() -> dict | None:
+            m = (stored() or [None])[-1]
+            return m if m is not None and m["step"] >= 14 and 0 < m["sampler"]["consumed"] < 192 else None
+
+        forward = [a for name in credentials for a in ("-x", name)]
+        launch = ["-np", "2", "-H", f"{H1},{H2}", *forward, "--snapshot-dir", "s3://bucket/job",
+                  "--snapshot-every", "0.2", "--snapshot-keep", "2"]
+        job.start(launch, TRAIN, env=env)
+        snapshot = wait_for(lambda: mid_epoch() or job._ended(), 60, "a mid-epoch snapshot in the bucket")
+        assert isinstance(snapshot, dict), job.stderr()[-3000:]
+        kill_everything(job)
+        before = pids_of(job)
+        assert not done_digests(job, set()), "the job ended before it was killed: nothing to resume"
+        newest = stored()[-1]
+
+        again = relaunch(job, "again")
+        again.start([*launch, "--log-dir", str(job.dir / "logs")], TRAIN, env=env)
+        assert again.wait(90) == 0, again.stderr()[-3000:]
+        err = again.stderr()
+        resumed = [e for e in driver_events(job.dir / "logs") if e["kind"] == "resumed_from_snapshot"]
+        url = f"s3://bucket/job/snapshot-{newest['sequence']}.pt"
+        assert [(e["sequence"], e["path"]) for e in resumed] == [(newest["sequence"], url)], (resumed, newest)
+        assert f"resumed from:  {url}" in err
+        synced = [e for e in again.events("synced") if e["pid"] not in before]
+        assert {e["step"] for e in synced} == {newest["step"]} and len(synced) == 2
+        assert_epochs_complete(again, 2)  # each sample of each epoch once across the break
+        line = next(x for x in err.splitlines() if x.strip().startswith("snapshots:"))
+        assert " 0 failed" in line and int(re.findall(r"(\d+) written", line)[0]) >= 1, line
+        # Pruned to the last two: older objects deleted, no temporary object left.
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("bucket/job", detail=False, refresh=True))
+        last = stored()[-1]["sequence"]
+        assert names == [f"snapshot-{n}.{ext}" for n in (last - 1, last) for ext in ("json", "pt")], names
+    finally:
+        server.stop()

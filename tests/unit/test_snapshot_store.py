@@ -12,7 +12,7 @@ import torch
 
 import lightning_elastic as le
 from lightning_elastic import snapshot_files as files
-from lightning_elastic import snapshot_store
+from lightning_elastic import snapshot_fs, snapshot_store
 from lightning_elastic.snapshot import HostSnapshot
 from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings
 from lightning_elastic.snapshot_store import SnapshotInfo, SnapshotWriter
@@ -307,7 +307,7 @@ def test_a_failure_of_the_same_kind_is_said_once_whatever_file_it_names(tmp_path
     def refuse(path, fill):
         raise OSError(30, "Read-only file system", str(path))
 
-    monkeypatch.setattr(files, "write_atomically", refuse)
+    monkeypatch.setattr(snapshot_fs, "write_atomically", refuse)  # what LocalStore writes with
     snapshot, writer = HostSnapshot(), writer_for(tmp_path)
     with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
         for step in range(4):
