@@ -11,8 +11,8 @@
 # importing, run in lane A with the unit tests. Each lane's output is printed whole once
 # both have ended; the exit status is the first failing lane's.
 #
-# Arguments go to pytest. With any argument that is not an option (a test file, a -k
-# expression), the selection runs in one pytest, as given.
+# Arguments go to pytest. With an argument that names tests (a file or directory that
+# exists, or a test id with ::), the selection runs in one pytest, as given.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup-venv.sh" test
@@ -20,7 +20,7 @@ cd "$root"
 pytest=("$root/.venv/bin/python" -m pytest)
 
 for arg in "$@"; do
-    if [[ "$arg" != -* ]]; then
+    if [[ "$arg" != -* && ( -e "${arg%%::*}" ) ]]; then
         exec "${pytest[@]}" "$@"
     fi
 done
