@@ -444,7 +444,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         log_output.flush_within(10.0)
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    verdict = "succeeded" if result.success else "failed"
+    verdict = result.verdict
     log_output.flush_within(10.0)  # the log's last lines before the summary
     try:
         print(result.summary(), file=sys.stderr)

@@ -94,6 +94,38 @@ def test_restarted_driver_adopts_the_running_workers(job: Job) -> None:
     assert not (job.dir / "state" / "state.json").exists(), "the ended job left a state to adopt"
 
 
+def test_sigterm_hands_the_job_over_to_the_next_driver(job: Job) -> None:
+    """A Kubernetes rolling restart or `systemctl restart`: SIGTERM ends the driver alone,
+    quickly and with status 0; the same command again adopts the workers it left."""
+    job.set_hosts(H1, H2)
+    args, example = restart_args(job, "-np", "2"), [*STEADY, "--epochs", "4"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    assert job.proc is not None
+    sent = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(30) == 0, job.stderr()[-3000:]
+    took = time.monotonic() - sent
+    assert took < 5, f"the hand-over took {took:.1f} s"  # Kubernetes' default grace: 30 s
+    handed = Line("SIGTERM: the driver exited and left {n} worker(s) running; the next driver started with "
+                  "--state-dir {path} adopts them (they wait --driver-patience {patience} s for it)",
+                  {"n": 2, "path": job.dir / "state", "patience": 120})
+    assert job.stderr().strip().splitlines()[-1] == "lightning-elastic: job handed over: " + handed.text
+    assert_documented(handed)
+    assert all(_alive(pid) for pid in pids), "a worker was stopped with its driver"
+    assert (job.dir / "state" / "state.json").exists()
+    assert driver_events(job)[-1]["kind"] == "driver_handed_over"
+
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids
+    assert_epochs_complete(job, 4)
+
+
 def test_worker_lost_during_the_outage_is_recovered_from_once_the_driver_is_back(job: Job) -> None:
     job.set_hosts(H1, H2)
     args, example = restart_args(job, "-np", "2", "--min-np", "1"), [*STEADY, "--epochs", "4"]
