@@ -295,8 +295,12 @@ class Driver:
         workers = self._config.max_np + self._config.spares
         port = self._config.port
         not_before = None
-        if self._adopting:  # where the adopted workers look for their driver
-            port = self._keeping.previous.port  # type: ignore[union-attr]
+        if self._adopting:
+            previous = self._keeping.previous  # type: ignore[union-attr]
+            # Where the adopted workers look for their driver first: the same address and
+            # port, unless this driver serves elsewhere (--port, another machine).
+            if not port and self._address == previous.address:  # type: ignore[union-attr]
+                port = previous.port  # type: ignore[union-attr]
             not_before = adoption.not_before(self._keeping.started)  # type: ignore[union-attr]
         self._server = RendezvousServer(self._registry, self._secret, host=self._address,
                                         listen_queue=listen_queue_for(workers), limits=limits_for(workers),
@@ -308,6 +312,14 @@ class Driver:
                 raise ConfigError(f"--port: cannot serve on {self._address}:{port}: {err.strerror or err}") from None
             raise ConfigError(f"cannot serve on {self._address}: {err.strerror or err}") from None
         log.info("Rendezvous service and process-group store at %s.", self._server.url)
+        if self._keeping is not None:
+            # Workers that cannot reach their driver look here (another address, another
+            # machine): written before the loop, which never waits on the disk.
+            try:
+                self._keeping.dir.write_url(self._server.url)
+            except OSError as err:
+                log.warning("--state-dir: cannot write %s (%s): workers find this driver only at the address "
+                            "they were started with.", self._keeping.dir.url_file, err.strerror or err)
 
     def _can_hand_over(self) -> bool:
         """SIGTERM with --state-dir ends the driver alone: a Kubernetes rolling restart or
@@ -553,7 +565,8 @@ class Driver:
             p.ENV_PROCESS_GROUP_TIMEOUT: str(t.process_group),
             p.ENV_PREEMPTION_GRACE: str(t.preemption_grace),
             **(self._resume.env if self._resume else {}),
-            **({p.ENV_DRIVER_PATIENCE: str(self._config.driver_patience)} if self._keeping is not None else {}),
+            **({p.ENV_DRIVER_PATIENCE: str(self._config.driver_patience),
+                p.ENV_DRIVER_URL_FILE: str(self._keeping.dir.url_file)} if self._keeping is not None else {}),
             # The usual torch variables, as planned; le.init() updates them every round.
             "RANK": str(slot.rank),
             "WORLD_SIZE": str(slot.size),
@@ -825,9 +838,14 @@ class Driver:
         assert keeping is not None and keeping.previous is not None
         state = keeping.previous
         if self._address != state.address:
-            log.info("Serving on %s, as the previous driver did (not %s): its workers look for it there.",
-                     state.address, self._address)
-        self._address = state.address
+            if self._is_local(state.address):
+                log.info("Serving on %s, as the previous driver did (not %s): its workers look for it there.",
+                         state.address, self._address)
+                self._address = state.address
+            else:  # another machine: the workers follow the address this driver writes
+                log.info("Serving on %s: the previous driver's address %s is not one of this machine's; its "
+                         "workers find this driver through %s.", self._address, state.address,
+                         keeping.dir.url_file)
         with self._registry.cond:
             restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of)  # type: ignore[arg-type]
         self._processes.update(restored.processes)

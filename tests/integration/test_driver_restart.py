@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -126,6 +127,34 @@ def test_sigterm_hands_the_job_over_to_the_next_driver(job: Job) -> None:
     assert_epochs_complete(job, 4)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_driver_restarted_at_another_address_is_found_through_the_state_dir(job: Job) -> None:
+    """The next driver serves elsewhere (here another port; a new pod or machine in real
+    life): it writes its URL into --state-dir, and the workers, their driver gone, follow it."""
+    job.set_hosts(H1, H2)
+    first, second = free_port(), free_port()
+    example = [*STEADY, "--epochs", "4"]
+    job.start(restart_args(job, "-np", "2", "--port", str(first)), example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    assert (job.dir / "state" / "driver-url").read_text() == f"http://127.0.0.1:{first}\n"
+    kill_driver(job)
+    start_again(job, "restart", restart_args(job, "-np", "2", "--port", str(second)), example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids  # the same workers, at the new address
+    said = f"says it serves at http://127.0.0.1:{second} now: following it"
+    assert job.stdout().count(said) == 2, job.stdout()[-3000:]
+    assert_epochs_complete(job, 4)
+
+
 def test_worker_lost_during_the_outage_is_recovered_from_once_the_driver_is_back(job: Job) -> None:
     job.set_hosts(H1, H2)
     args, example = restart_args(job, "-np", "2", "--min-np", "1"), [*STEADY, "--epochs", "4"]
@@ -222,3 +251,4 @@ def test_lightning_fit_survives_a_driver_restart(job: Job) -> None:
     assert {e["pid"] for e in job.events("done")} == pids
     history = lightning.assert_exactly_once(job)
     lightning.assert_final_state(job, history, start_size=2, end_size=2)
+
