@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also write each worker's output, and the job's events.jsonl timeline, to DIR")
     run.add_argument("--state-dir", type=Path, metavar="DIR",
                      help="keep the job's state in DIR: local workers then outlive the driver, and the same "
-                          "command run again with the same DIR adopts them (default: workers die with the driver)")
+                          "command run again with the same DIR adopts them; SIGTERM then ends the driver alone "
+                          "and leaves the job to the next one (default: workers die with the driver)")
     run.add_argument("--driver-patience", type=float, default=120.0, metavar="SECONDS",
                      help="with --state-dir, how long workers wait for an unreachable driver before they exit "
                           "(default: 120)")
