@@ -12,6 +12,8 @@ nothing but refused replies.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 import time
 import urllib.parse
@@ -37,6 +39,23 @@ def parse_url(text: str) -> str | None:
             or any(c.isspace() for c in text)):
         return None
     return f"http://{parts.netloc}"
+
+
+def _read_regular(path: Path) -> bytes | None:
+    """At most MAX_BYTES + 1 bytes of a regular file, or None. Never blocks on a FIFO or a
+    device put in its place: the heartbeat thread that reads it must keep its deadline."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b"\0" * (MAX_BYTES + 1)  # not an address: said once, ignored
+        return os.read(fd, MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class DriverLocator:
@@ -66,10 +85,8 @@ class DriverLocator:
             if now - self._read_at < REREAD_EVERY:
                 return False
             self._read_at = now
-        try:
-            with open(self._file, "rb") as f:
-                raw = f.read(MAX_BYTES + 1)
-        except OSError:
+        raw = _read_regular(self._file)
+        if raw is None:
             return False  # not written yet (or the share is down): keep the one we have
         url = parse_url(raw.decode(errors="replace")) if len(raw) <= MAX_BYTES else None
         with self._lock:

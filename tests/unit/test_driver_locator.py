@@ -4,6 +4,7 @@ still trusts only replies signed with the job's secret."""
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -60,6 +61,10 @@ def test_the_locator_follows_the_file_rereading_it_at_most_twice_a_second(tmp_pa
     clock.now += 1
     assert not locator.refresh()  # the same address: nothing changes
     state.url_file.write_text("x" * 10_000)  # hostile or torn: ignored, the URL kept
+    clock.now += 1
+    assert not locator.refresh() and locator.url == "http://10.0.0.2:5000"
+    state.url_file.unlink()
+    os.mkfifo(state.url_file)  # nobody writes to it: a blocking open would hang the heartbeats
     clock.now += 1
     assert not locator.refresh() and locator.url == "http://10.0.0.2:5000"
     assert DriverLocator("http://a:1").refresh() is False  # without --state-dir there is no file
