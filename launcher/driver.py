@@ -119,7 +119,7 @@ class JobResult:
     def summary(self) -> str:
         lines = [
             "lightning-elastic job summary",
-            f"  result:        {self.verdict.upper() if self.handed_over else 'SUCCESS' if self.success else 'FAILURE'}: "
+            f"  result:        {'HANDED OVER' if self.handed_over else 'SUCCESS' if self.success else 'FAILURE'}: "
             f"{self.reason}",
             f"  duration:      {self.duration:.1f} s",
             f"  rounds:        {len(self.rounds) + self.rounds_omitted} (world sizes: {self._sizes()})",

@@ -148,7 +148,13 @@ class DriverClient:
                 # Said before the signature check: another version may sign differently. A
                 # spoofer gains nothing by it: an unsigned reply ends the request too.
                 raise RendezvousError(f"driver at {url}: {p.version_mismatch(version, side='driver')}")
-            self._check_signature(response, auth[p.HEADER_NONCE], url)
+            try:
+                self._check_signature(response, auth[p.HEADER_NONCE], url)
+            except RendezvousError:
+                # Not our driver (its old address now serves something else, say): the
+                # next request goes where a restarted driver said it serves, if it did.
+                self._locator.refresh()
+                raise
             if response.status_code != 200:
                 raise RendezvousError(
                     f"driver refused {path} ({response.status_code}): {response.text.strip()[:300]}"

@@ -115,3 +115,18 @@ def test_a_client_whose_driver_is_gone_switches_to_the_written_address_and_still
                                               "unsigned reply with status 200"):
         client.heartbeat(0, 0, 0.0)
     client.close()
+
+
+def test_a_client_answered_by_another_server_at_its_drivers_address_looks_at_the_file_too(
+        tmp_path: Path, impostor: str) -> None:
+    """The old address reused by another service: a reply that fails authentication also
+    makes the client look where a restarted driver may have said it serves."""
+    state = StateDir(tmp_path)
+    moved = f"http://127.0.0.1:{closed_port()}"
+    state.write_url(moved)
+    locator = DriverLocator(impostor, state.url_file)
+    client = DriverClient(impostor, "s" * 64, "w#0", locator=locator)
+    with pytest.raises(RendezvousError, match=f"reply from the driver at {impostor} failed authentication"):
+        client.heartbeat(0, 0, 0.0)
+    assert locator.url == moved
+    client.close()
