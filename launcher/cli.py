@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also write each worker's output, and the job's events.jsonl timeline, to DIR")
     run.add_argument("--state-dir", type=Path, metavar="DIR",
                      help="keep the job's state in DIR: local workers then outlive the driver, and the same "
-                          "command run again with the same DIR adopts them (default: workers die with the driver)")
+                          "command run again with the same DIR adopts them; SIGTERM then ends the driver alone "
+                          "and leaves the job to the next one (default: workers die with the driver)")
     run.add_argument("--driver-patience", type=float, default=120.0, metavar="SECONDS",
                      help="with --state-dir, how long workers wait for an unreachable driver before they exit "
                           "(default: 120)")
@@ -452,7 +453,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         log_output.flush_within(10.0)
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    verdict = "succeeded" if result.success else "failed"
+    verdict = result.verdict
     log_output.flush_within(10.0)  # the log's last lines before the summary
     try:
         print(result.summary(), file=sys.stderr)

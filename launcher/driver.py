@@ -104,15 +104,24 @@ class JobResult:
             sizes.insert(BoundedHistory.FIRST, f"({self.rounds_omitted} more)")
         return " -> ".join(sizes) or "none"
     outages: tuple[str, ...] = ()  # --state-dir: each restart of the driver that adopted the job
+    # --state-dir and SIGTERM: this driver exited and left the job running for the next one
+    # (a Kubernetes rolling restart, `systemctl restart`). Exit status 0: nothing failed.
+    handed_over: bool = False
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.success else 1
+        return 0 if self.success or self.handed_over else 1
+
+    @property
+    def verdict(self) -> str:
+        """The CLI's last line says the job ``succeeded``, ``failed`` or was ``handed over``."""
+        return "handed over" if self.handed_over else "succeeded" if self.success else "failed"
 
     def summary(self) -> str:
         lines = [
             "lightning-elastic job summary",
-            f"  result:        {'SUCCESS' if self.success else 'FAILURE'}: {self.reason}",
+            f"  result:        {'HANDED OVER' if self.handed_over else 'SUCCESS' if self.success else 'FAILURE'}: "
+            f"{self.reason}",
             f"  duration:      {self.duration:.1f} s",
             f"  rounds:        {len(self.rounds) + self.rounds_omitted} (world sizes: {self._sizes()})",
             f"  failures:      {len(self.failures) + self.failures_omitted}",
@@ -212,6 +221,7 @@ class Driver:
         self._never_joined = ""
         self._stop_requested = threading.Event()
         self._stop_signal = ""
+        self._handed_over = False  # SIGTERM with --state-dir: the job is left to the next driver
         self._started_at = clock()
         self._resume: snapshots.Resume | None = None  # chosen at the start of run()
 
@@ -261,7 +271,11 @@ class Driver:
             verdict = policy.Verdict(False, str(err))
             refused = not self._processes or self._server is None
         except _Stop:
-            verdict = policy.Verdict(False, f"interrupted by {self._stop_signal}: stopped every worker")
+            if self._can_hand_over():
+                self._handed_over = True
+                verdict = policy.Verdict(False, self._hand_over_reason())
+            else:
+                verdict = policy.Verdict(False, f"interrupted by {self._stop_signal}: stopped every worker")
         except Exception as err:  # noqa: BLE001 - crash-only: a bug of ours still ends in a verdict
             log.exception("The driver failed; stopping every worker.")
             verdict = policy.Verdict(False, f"the driver failed: {type(err).__name__}: {err} (a bug: the traceback "
@@ -282,8 +296,12 @@ class Driver:
         workers = self._config.max_np + self._config.spares
         port = self._config.port
         not_before = None
-        if self._adopting:  # where the adopted workers look for their driver
-            port = self._keeping.previous.port  # type: ignore[union-attr]
+        if self._adopting:
+            previous = self._keeping.previous  # type: ignore[union-attr]
+            # Where the adopted workers look for their driver first: the same address and
+            # port, unless this driver serves elsewhere (--port, another machine).
+            if not port and self._address == previous.address:  # type: ignore[union-attr]
+                port = previous.port  # type: ignore[union-attr]
             not_before = adoption.not_before(self._keeping.started)  # type: ignore[union-attr]
         self._server = RendezvousServer(self._registry, self._secret, host=self._address,
                                         listen_queue=listen_queue_for(workers), limits=limits_for(workers),
@@ -295,8 +313,52 @@ class Driver:
                 raise ConfigError(f"--port: cannot serve on {self._address}:{port}: {err.strerror or err}") from None
             raise ConfigError(f"cannot serve on {self._address}: {err.strerror or err}") from None
         log.info("Rendezvous service and process-group store at %s.", self._server.url)
+        if self._keeping is not None:
+            # Workers that cannot reach their driver look here (another address, another
+            # machine): written before the loop, which never waits on the disk.
+            try:
+                self._keeping.dir.write_url(self._server.url)
+            except OSError as err:
+                log.warning("--state-dir: cannot write %s (%s): workers find this driver only at the address "
+                            "they were started with.", self._keeping.dir.url_file, err.strerror or err)
+
+    def _can_hand_over(self) -> bool:
+        """SIGTERM with --state-dir ends the driver alone: a Kubernetes rolling restart or
+        `systemctl restart` replaces the driver, not the job. SIGINT (Ctrl-C) still stops it.
+        Only once there is a job to leave: served (its state saved) or adopted."""
+        return (self._stop_signal == "SIGTERM" and self._keeping is not None
+                and (self._server is not None or self._adopting))
+
+    def _hand_over_reason(self) -> str:
+        running = sum(p_.poll() is None for p_ in self._processes.values())
+        return (f"SIGTERM: the driver exited and left {running} worker(s) running; the next driver started with "
+                f"--state-dir {self._keeping.dir.path} adopts them (they wait --driver-patience "  # type: ignore[union-attr]
+                f"{self._config.driver_patience:g} s for it)")
+
+    def _hand_over(self) -> None:
+        """Exit without touching a worker: the state saved (the writer flushed), every
+        connection to a worker closed as a crash would close it, nothing signalled."""
+        if self._server is not None:
+            with self._registry.cond:
+                self._save_state()  # the newest state, whatever the last pass saved
+        self._discovery.close()
+        if self._server is not None:
+            self._server.close()  # no new request answered: the workers wait for the next driver
+        for proc in self._processes.values():
+            detach = getattr(proc, "detach", None)  # an ssh session: its supervisor keeps the worker
+            if detach is not None:
+                detach()
+        if self._exit_watcher is not None:
+            self._exit_watcher.close()
+        self._gc.stop()
+        self._keeping.finish(job_over=False)  # type: ignore[union-attr]
+        log.info("Handed the job over: %d worker(s) left running for the next driver on --state-dir %s.",
+                 sum(p_.poll() is None for p_ in self._processes.values()), self._keeping.dir.path)  # type: ignore[union-attr]
 
     def _shutdown(self) -> None:
+        if self._handed_over:
+            self._hand_over()
+            return
         with self._registry.cond:
             self._registry.closing = True  # a SIGTERM from stop_all below means "exit now"
             self._registry.wake_all()
@@ -322,7 +384,10 @@ class Driver:
             self._keeping.finish(job_over=True)
 
     def _result(self, verdict: policy.Verdict, refused: bool = False) -> JobResult:
-        self._events.emit("job_ended", success=verdict.success, reason=verdict.reason)
+        if self._handed_over:  # the job goes on: the next driver's timeline continues this one
+            self._events.emit("driver_handed_over", reason=verdict.reason)
+        else:
+            self._events.emit("job_ended", success=verdict.success, reason=verdict.reason)
         self._events.close()
         return JobResult(
             success=verdict.success,
@@ -340,6 +405,7 @@ class Driver:
             resumed_from=str(self._resume.found.path) if self._resume and self._resume.found else "",
             snapshots=snapshots.totals(self._registry.workers.values()) if self._config.snapshots else None,
             outages=tuple(self._outages),
+            handed_over=self._handed_over,
         )
 
     # ----- the loop -------------------------------------------------------------------
@@ -500,7 +566,8 @@ class Driver:
             p.ENV_PROCESS_GROUP_TIMEOUT: str(t.process_group),
             p.ENV_PREEMPTION_GRACE: str(t.preemption_grace),
             **(self._resume.env if self._resume else {}),
-            **({p.ENV_DRIVER_PATIENCE: str(self._config.driver_patience)} if self._keeping is not None else {}),
+            **({p.ENV_DRIVER_PATIENCE: str(self._config.driver_patience),
+                p.ENV_DRIVER_URL_FILE: str(self._keeping.dir.url_file)} if self._keeping is not None else {}),
             # The usual torch variables, as planned; le.init() updates them every round.
             "RANK": str(slot.rank),
             "WORLD_SIZE": str(slot.size),
@@ -772,9 +839,14 @@ class Driver:
         assert keeping is not None and keeping.previous is not None
         state = keeping.previous
         if self._address != state.address:
-            log.info("Serving on %s, as the previous driver did (not %s): its workers look for it there.",
-                     state.address, self._address)
-        self._address = state.address
+            if self._is_local(state.address):
+                log.info("Serving on %s, as the previous driver did (not %s): its workers look for it there.",
+                         state.address, self._address)
+                self._address = state.address
+            else:  # another machine: the workers follow the address this driver writes
+                log.info("Serving on %s: the previous driver's address %s is not one of this machine's; its "
+                         "workers find this driver through %s.", self._address, state.address,
+                         keeping.dir.url_file)
         with self._registry.cond:
             restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of)  # type: ignore[arg-type]
         self._processes.update(restored.processes)
@@ -1020,7 +1092,8 @@ def make_discovery(config: LaunchConfig) -> HostDiscovery:
 
 
 def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
-    """Run one elastic job to its end; SIGINT and SIGTERM stop it and every worker.
+    """Run one elastic job to its end; SIGINT and SIGTERM stop it and every worker (with
+    --state-dir, SIGTERM ends the driver alone and leaves the job to the next one).
 
     Raises ConfigError only before any worker started: an input found invalid only here (a
     --log-dir that cannot be written, a Ray cluster that cannot be reached, an address or

@@ -24,6 +24,8 @@ come from their own clocks, and the driver's monotonic clock means nothing to th
                     new driver took the job over after that long without one)
 ``workers_adopted``  ``after_s``: from the new driver's start until every adopted
                     worker had reached it
+``driver_handed_over``  ``reason`` (``--state-dir`` and SIGTERM: the driver exited, its
+                    workers left running for the next driver; no ``job_ended``)
 ``job_ended``       ``success``, ``reason``
 =================== =============================================================
 

@@ -9,6 +9,9 @@ The directory holds:
 - ``state.json``: the job's restartable state (``JobState``), replaced atomically (temp
   file + rename) by a writer thread, never by the decision loop itself;
 - ``alive``: touched every second by the running driver; its age on restart is the outage;
+- ``driver-url``: ``http://HOST:PORT`` where the running driver serves, one line. A worker
+  that cannot reach its driver re-reads it (``lightning_elastic/driver_locator.py``): a
+  driver restarted on another machine (the directory on a shared filesystem) is found so;
 - ``workers/``: per worker, its output (``ID.log``, written by the worker itself, so a dead
   driver breaks nothing), how far the driver forwarded it (``ID.offset``) and its exit
   status (``ID.status``, written by its keeper, ``processes/keeper.py``).
@@ -184,6 +187,15 @@ class StateDir:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
 
+    @property
+    def url_file(self) -> Path:
+        """``driver-url``, as an absolute path: workers read it from their own directory."""
+        return (self.path / "driver-url").absolute()
+
+    def write_url(self, url: str) -> None:
+        """Say where this driver serves (at its start, before any worker can need it)."""
+        write_atomic(self.url_file, f"{url}\n".encode())
+
     def release(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the last descriptor drops the flock
@@ -233,7 +245,7 @@ class StateDir:
 
     def clear(self) -> None:
         """The job has ended: nothing is left to adopt (the secret goes too: a new job, a new one)."""
-        for name in ("state.json", "alive", "secret"):
+        for name in ("state.json", "alive", "secret", "driver-url"):
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
         # remote/: ssh workers' files, here when the hosts share this directory.

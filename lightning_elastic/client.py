@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import requests
 
 from lightning_elastic import protocol as p
+from lightning_elastic.driver_locator import DriverLocator
 from lightning_elastic.errors import RendezvousError
 
 T = TypeVar("T")
@@ -61,10 +62,13 @@ def driver_is_busy(err: requests.RequestException) -> bool:
 
 
 class DriverClient:
-    def __init__(self, url: str, secret: str, worker_id: str, retry_for: float = RETRY_FOR) -> None:
+    def __init__(self, url: str, secret: str, worker_id: str, retry_for: float = RETRY_FOR,
+                 locator: DriverLocator | None = None) -> None:
         self.worker_id = worker_id
         self._retry_for = retry_for  # how long a request waits out a driver it cannot connect to
-        self._url = url.rstrip("/")
+        # Shared by the worker's clients: where the driver is now (--state-dir: a restarted
+        # driver may serve elsewhere, and says where in the state dir).
+        self._locator = locator if locator is not None else DriverLocator(url)
         self._secret = secret
         self._nonces = p.NonceSequence()  # the driver remembers senders, not every nonce
         self._session = requests.Session()
@@ -103,6 +107,10 @@ class DriverClient:
     def store(self, request: p.StoreRequest) -> p.StoreReply:
         return self._post(p.PATH_STORE, request, p.StoreReply, wait=request.wait_seconds)
 
+    @property
+    def _url(self) -> str:
+        return self._locator.url
+
     def close(self) -> None:
         self._session.close()
 
@@ -119,16 +127,19 @@ class DriverClient:
         while True:
             # Signed afresh for every attempt: the driver refuses a nonce it has seen.
             auth = p.sign_request(self._secret, "POST", path, body, self._nonces)
+            url = self._url  # this attempt's: a failed one may make the locator move on
             try:
                 response = self._session.post(
-                    self._url + path, data=body,
+                    url + path, data=body,
                     headers={"Content-Type": "application/json", **auth},
                     timeout=(CONNECT_TIMEOUT, wait + 30.0),
                 )
             except requests.RequestException as err:
                 busy = patient and driver_is_busy(err)
+                if not busy:  # gone: a restarted driver may have said where it serves now
+                    self._locator.refresh()
                 if retry_for <= 0 or (not busy and time.monotonic() >= deadline):
-                    raise RendezvousError(f"driver at {self._url} unreachable: {err}") from None
+                    raise RendezvousError(f"driver at {url} unreachable: {err}") from None
                 time.sleep(backoff(attempt))
                 attempt += 1
                 continue
@@ -136,15 +147,21 @@ class DriverClient:
             if version != str(p.PROTOCOL_VERSION):
                 # Said before the signature check: another version may sign differently. A
                 # spoofer gains nothing by it: an unsigned reply ends the request too.
-                raise RendezvousError(f"driver at {self._url}: {p.version_mismatch(version, side='driver')}")
-            self._check_signature(response, auth[p.HEADER_NONCE])
+                raise RendezvousError(f"driver at {url}: {p.version_mismatch(version, side='driver')}")
+            try:
+                self._check_signature(response, auth[p.HEADER_NONCE], url)
+            except RendezvousError:
+                # Not our driver (its old address now serves something else, say): the
+                # next request goes where a restarted driver said it serves, if it did.
+                self._locator.refresh()
+                raise
             if response.status_code != 200:
                 raise RendezvousError(
                     f"driver refused {path} ({response.status_code}): {response.text.strip()[:300]}"
                 )
             return p.decode(reply_type, response.content)
 
-    def _check_signature(self, response: requests.Response, nonce: str) -> None:
+    def _check_signature(self, response: requests.Response, nonce: str, url: str) -> None:
         """Refuse a reply the driver did not sign for this request (a spoofed driver).
 
         The message never quotes the unverified reply: the worker acts on error texts
@@ -157,6 +174,6 @@ class DriverClient:
         hint = (" (the driver did not accept this worker's signature: wrong job secret?)"
                 if response.status_code == 401 else "")
         raise RendezvousError(
-            f"reply from the driver at {self._url} failed authentication: "
+            f"reply from the driver at {url} failed authentication: "
             f"{why} reply with status {response.status_code}{hint}"
         )

@@ -49,6 +49,10 @@ ENV_PREEMPTION_GRACE = "LIGHTNING_ELASTIC_PREEMPTION_GRACE"
 # --driver-patience, set with --state-dir: how long a worker waits for an unreachable driver
 # (a restarted one adopts it) before it exits. Unset: 2 x the heartbeat timeout, as without.
 ENV_DRIVER_PATIENCE = "LIGHTNING_ELASTIC_DRIVER_PATIENCE"
+# With --state-dir: the file in it where the serving driver writes its URL (one line,
+# http://HOST:PORT). A worker that cannot reach its driver re-reads it: a restarted driver
+# may serve at another address (another machine; the state dir is on a shared filesystem).
+ENV_DRIVER_URL_FILE = "LIGHTNING_ELASTIC_DRIVER_URL_FILE"
 # The CUDA device index a worker keeps for its whole life, set when its launcher gives every
 # worker devices of its own (a Ray actor sees only its GPUs, as device 0...). Unset: the
 # device is cuda:LOCAL_RANK of the current round.

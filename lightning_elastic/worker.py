@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
 from lightning_elastic.client import RETRY_FOR, DriverClient, backoff, first_request_spread, heartbeat_hold
+from lightning_elastic.driver_locator import DriverLocator
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
@@ -104,15 +105,24 @@ class WorkerSettings:
     # How long the driver may be unreachable before this worker exits (--driver-patience,
     # with --state-dir: a restarted driver adopts it); 0: DRIVER_LOST_AFTER_TIMEOUTS.
     driver_patience: float = 0.0
+    # --state-dir: the file a restarted driver writes its URL to (protocol.ENV_DRIVER_URL_FILE).
+    driver_url_file: Path | None = None
+    # Where the driver is now, shared by every client of this worker (built from the two above).
+    locator: DriverLocator = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "locator", DriverLocator(self.driver_url, self.driver_url_file))
 
     @property
     def driver_lost_after(self) -> float:
         return max(self.driver_patience, DRIVER_LOST_AFTER_TIMEOUTS * self.heartbeat_timeout)
 
-    def client(self) -> DriverClient:
-        """A client whose requests wait out an unreachable driver for as long as this worker does."""
+    def client(self, retry_for: float | None = None) -> DriverClient:
+        """A client whose requests wait out an unreachable driver for as long as this worker
+        does (``retry_for``: less, for a request that must not wait that long)."""
         return DriverClient(self.driver_url, self.secret, self.worker_id,
-                            retry_for=max(RETRY_FOR, self.driver_patience))
+                            retry_for=max(RETRY_FOR, self.driver_patience) if retry_for is None else retry_for,
+                            locator=self.locator)
 
     @classmethod
     def from_environment(cls, environ: os._Environ | dict[str, str]) -> WorkerSettings | None:
@@ -132,6 +142,7 @@ class WorkerSettings:
                 preemption_grace=float(environ.get(p.ENV_PREEMPTION_GRACE, "30")),
                 cuda_device=int(environ[p.ENV_CUDA_DEVICE]) if environ.get(p.ENV_CUDA_DEVICE) else None,
                 driver_patience=float(environ.get(p.ENV_DRIVER_PATIENCE, "0")),
+                driver_url_file=Path(environ[p.ENV_DRIVER_URL_FILE]) if environ.get(p.ENV_DRIVER_URL_FILE) else None,
             )
         except KeyError as err:
             raise RendezvousError(
@@ -451,7 +462,7 @@ class ElasticWorker:
         assert self._store is not None
         with self._store.recording() as published:
             init_round_group(store, a.round, a.rank, a.size, self._backend, timeout)
-        driver = urllib.parse.urlsplit(self.settings.driver_url)
+        driver = urllib.parse.urlsplit(self.settings.locator.url)
         excluded = {(driver.hostname or "", driver.port or 0)}
         opened = group_sockets.new_connections(before, group_sockets.established(), excluded)
         # Only those to or from the listeners the ranks published: another thread may have
@@ -553,7 +564,7 @@ class ElasticWorker:
         assert s is not None
 
         def send() -> None:
-            client = DriverClient(s.driver_url, s.secret, s.worker_id)  # the others' may be mid-request
+            client = s.client(RETRY_FOR)  # the others' may be mid-request
             try:
                 with self._lock:
                     known, known_broken = self._seen_generation, self._last_broken_round
@@ -622,7 +633,7 @@ class ElasticWorker:
         if self.settings is None:
             return False
         s = self.settings
-        client = DriverClient(s.driver_url, s.secret, s.worker_id)  # the main thread's may be mid-request
+        client = s.client(RETRY_FOR)  # the main thread's may be mid-request
         try:
             return client.leave(reason)
         except RendezvousError as err:

@@ -192,6 +192,13 @@ class SshProcess:
             self._killed = True
             self._proc.kill()
 
+    def detach(self) -> None:
+        """Close the session as a crashed driver would (EOF, no signal): with --state-dir the
+        supervisor leaves its worker running for the next driver (a SIGTERM hand-over)."""
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+
     def finish_output(self, timeout: float = 5.0) -> None:
         self._forwarder.join(timeout)
         self._control.join(timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -92,6 +93,50 @@ def test_restarted_driver_adopts_the_running_workers(job: Job) -> None:
     assert len(restarted) == 1 and restarted[0]["adopted"] == 2 and restarted[0]["outage_s"] >= 3
     assert [e["kind"] for e in driver_events(job)].count("job_started") == 1
     assert not (job.dir / "state" / "state.json").exists(), "the ended job left a state to adopt"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_hands_the_job_over_to_the_next_driver(job: Job) -> None:
+    """A Kubernetes rolling restart or `systemctl restart`: SIGTERM ends the driver alone,
+    quickly and with status 0. The next driver serves elsewhere, as a new pod would (here on
+    another port): it writes its URL into --state-dir and the workers follow it there."""
+    job.set_hosts(H1, H2)
+    first, second = free_port(), free_port()
+    example = [*STEADY, "--epochs", "4"]
+    job.start(restart_args(job, "-np", "2", "--port", str(first)), example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    assert (job.dir / "state" / "driver-url").read_text() == f"http://127.0.0.1:{first}\n"
+    assert job.proc is not None
+    sent = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(30) == 0, job.stderr()[-3000:]
+    took = time.monotonic() - sent
+    print(f"SIGTERM to the driver's exit: {took:.2f} s")
+    assert took < 5, f"the hand-over took {took:.1f} s"  # Kubernetes' default grace: 30 s
+    handed = Line("SIGTERM: the driver exited and left {n} worker(s) running; the next driver started with "
+                  "--state-dir {path} adopts them (they wait --driver-patience {patience} s for it)",
+                  {"n": 2, "path": job.dir / "state", "patience": 120})
+    assert job.stderr().strip().splitlines()[-1] == "lightning-elastic: job handed over: " + handed.text
+    assert_documented(handed)
+    assert all(_alive(pid) for pid in pids), "a worker was stopped with its driver"
+    assert (job.dir / "state" / "state.json").exists()
+    assert driver_events(job)[-1]["kind"] == "driver_handed_over"
+
+    start_again(job, "restart", restart_args(job, "-np", "2", "--port", str(second)), example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids  # the same workers, at the new address
+    said = f"says it serves at http://127.0.0.1:{second} now: following it"
+    assert job.stdout().count(said) == 2, job.stdout()[-3000:]
+    assert_epochs_complete(job, 4)
 
 
 def test_worker_lost_during_the_outage_is_recovered_from_once_the_driver_is_back(job: Job) -> None:
@@ -190,3 +235,40 @@ def test_lightning_fit_survives_a_driver_restart(job: Job) -> None:
     assert {e["pid"] for e in job.events("done")} == pids
     history = lightning.assert_exactly_once(job)
     lightning.assert_final_state(job, history, start_size=2, end_size=2)
+
+
+@pytest.mark.remote
+def test_a_driver_restarted_on_another_machine_is_found_through_the_shared_state_dir(job: Job, hosts) -> None:
+    """The first driver on this machine, SIGKILLed; the next one in namespace le-h3, another
+    machine with another address sharing the filesystem (so the state dir): it re-attaches
+    to the ssh workers and they, their driver gone, follow the address it wrote there."""
+    h1, h2, elsewhere = hosts.names[:3]
+    args = [*hosts.ssh_args, "-H", f"{h1}:1,{h2}:1", "-np", "2", "--state-dir", str(job.dir / "state"),
+            "--log-dir", str(job.dir / "logs")]
+    example = [*STEADY, "--epochs", "4"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    first_url = (job.dir / "state" / "driver-url").read_text().strip()
+    kill_driver(job)
+    # The same command on the other machine: `ip netns exec` execs it, so job.proc is the driver.
+    there = job.dir / "elsewhere.sh"
+    there.write_text(f'#!/bin/sh\nexec ip netns exec {elsewhere} {job.launcher} "$@"\n')
+    there.chmod(0o755)
+    launcher, job.launcher = job.launcher, there
+    try:
+        start_again(job, "restart", args, example)
+    finally:
+        job.launcher = launcher
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    address = hosts.address(elsewhere)
+    assert f"Serving on {address}: the previous driver's address" in job.stderr(), job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids  # the same processes, found again
+    out = job.stdout()
+    assert out.count(f"cannot be reached; {job.dir / 'state' / 'driver-url'} says it serves at http://{address}:") == 2, \
+        out[-3000:]
+    assert f"//{address}:" not in first_url  # it did come back elsewhere
+    assert_epochs_complete(job, 4)

@@ -1,0 +1,103 @@
+"""Where a worker finds its driver: the URL it was started with, or the one a restarted
+driver wrote into the shared ``--state-dir`` (``driver-url``), when it came back elsewhere.
+
+A worker whose requests cannot reach the driver re-reads that file (at most every
+``REREAD_EVERY`` seconds) and, when it names another valid ``http://HOST:PORT``, sends its
+next requests there. The file is only a hint of where to connect: it is read like any
+untrusted input (bounded, parsed strictly), and every reply is still verified with the
+job's secret (``client.py``), so a file pointing at another server gains that server
+nothing but refused replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REREAD_EVERY = 0.5  # seconds: a fleet's failing heartbeats must not turn into a disk-read storm
+MAX_BYTES = 512  # an address is a line; anything longer is not one
+
+
+def parse_url(text: str) -> str | None:
+    """``http://HOST:PORT`` (no user, path, query or fragment) normalised, or None."""
+    text = text.strip()
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port
+    except ValueError:
+        return None
+    if (parts.scheme != "http" or not parts.hostname or port is None or port <= 0 or parts.username
+            or parts.password or parts.path not in ("", "/") or parts.query or parts.fragment
+            or any(c.isspace() for c in text)):
+        return None
+    return f"http://{parts.netloc}"
+
+
+def _read_regular(path: Path) -> bytes | None:
+    """At most MAX_BYTES + 1 bytes of a regular file, or None. Never blocks on a FIFO or a
+    device put in its place: the heartbeat thread that reads it must keep its deadline."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b"\0" * (MAX_BYTES + 1)  # not an address: said once, ignored
+        return os.read(fd, MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+class DriverLocator:
+    """The driver's current URL, shared by a worker's clients (thread-safe)."""
+
+    def __init__(self, url: str, address_file: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._url = url.rstrip("/")
+        self._file = address_file
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._read_at = -REREAD_EVERY
+        self._said_bad = False
+
+    @property
+    def url(self) -> str:
+        with self._lock:
+            return self._url
+
+    def refresh(self) -> bool:
+        """The driver could not be reached: look at the address file again. True when the
+        URL changed (the next request goes there)."""
+        if self._file is None:
+            return False
+        with self._lock:
+            now = self._clock()
+            if now - self._read_at < REREAD_EVERY:
+                return False
+            self._read_at = now
+        raw = _read_regular(self._file)
+        if raw is None:
+            return False  # not written yet (or the share is down): keep the one we have
+        url = parse_url(raw.decode(errors="replace")) if len(raw) <= MAX_BYTES else None
+        with self._lock:
+            if url is None:
+                if not self._said_bad:  # once, not at every failed heartbeat
+                    log.warning("Ignoring %s: expected one line http://HOST:PORT.", self._file)
+                    self._said_bad = True
+                return False
+            if url == self._url:
+                return False
+            previous, self._url = self._url, url
+        log.warning("The driver at %s cannot be reached; %s says it serves at %s now: following it.",
+                    previous, self._file, url)
+        return True

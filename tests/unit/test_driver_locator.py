@@ -1,0 +1,132 @@
+"""A worker follows its driver to the address a restarted driver wrote in --state-dir, and
+still trusts only replies signed with the job's secret."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lightning_elastic import protocol as p
+from lightning_elastic.client import DriverClient
+from lightning_elastic.driver_locator import DriverLocator, parse_url
+from lightning_elastic.errors import RendezvousError
+from lightning_elastic.launcher.state_dir import StateDir
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("http://10.0.0.2:4711\n", "http://10.0.0.2:4711"),
+    ("http://node7:4711/", "http://node7:4711"),
+    ("http://[fd00::2]:4711", "http://[fd00::2]:4711"),
+    ("https://node7:4711", None),  # the driver serves plain HTTP, signed
+    ("http://node7", None),  # no port
+    ("http://node7:0", None),
+    ("http://node7:99999", None),
+    ("http://user:pw@node7:4711", None),
+    ("http://node7:4711/elsewhere", None),
+    ("http://node7:4711?x=1", None),
+    ("http://node 7:4711", None),
+    ("", None),
+    ("garbage", None),
+])
+def test_only_a_plain_http_host_and_port_is_an_address(text: str, expected: str | None) -> None:
+    assert parse_url(text) == expected
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_locator_follows_the_file_rereading_it_at_most_twice_a_second(tmp_path: Path) -> None:
+    state = StateDir(tmp_path)
+    clock = Clock()
+    locator = DriverLocator("http://10.0.0.1:4711", state.url_file, clock)
+    assert not locator.refresh()  # no file yet: the start URL stays
+    state.write_url("http://10.0.0.2:5000")
+    clock.now += 0.1
+    assert not locator.refresh() and locator.url == "http://10.0.0.1:4711"  # read too soon after the last
+    clock.now += 0.5
+    assert locator.refresh() and locator.url == "http://10.0.0.2:5000"
+    clock.now += 1
+    assert not locator.refresh()  # the same address: nothing changes
+    state.url_file.write_text("x" * 10_000)  # hostile or torn: ignored, the URL kept
+    clock.now += 1
+    assert not locator.refresh() and locator.url == "http://10.0.0.2:5000"
+    state.url_file.unlink()
+    os.mkfifo(state.url_file)  # nobody writes to it: a blocking open would hang the heartbeats
+    clock.now += 1
+    assert not locator.refresh() and locator.url == "http://10.0.0.2:5000"
+    assert DriverLocator("http://a:1").refresh() is False  # without --state-dir there is no file
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def impostor() -> Iterator[str]:
+    """A server answering 200 to everything, unsigned: not the driver, whatever a file says."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b'{"generation": 1}'
+            self.send_response(200)
+            self.send_header(p.HEADER_PROTOCOL, str(p.PROTOCOL_VERSION))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_client_whose_driver_is_gone_switches_to_the_written_address_and_still_verifies_replies(
+        tmp_path: Path, impostor: str) -> None:
+    state = StateDir(tmp_path)
+    state.write_url(impostor)
+    gone = f"http://127.0.0.1:{closed_port()}"
+    client = DriverClient(gone, "s" * 64, "w#0", retry_for=10.0, locator=DriverLocator(gone, state.url_file))
+    # A heartbeat is not retried: it fails, and the client has re-read the file meanwhile.
+    with pytest.raises(RendezvousError, match=f"driver at {gone} unreachable"):
+        client.heartbeat(0, 0, 0.0)
+    # The next goes to the new address, and the unsigned reply it gets there is refused.
+    with pytest.raises(RendezvousError, match=f"reply from the driver at {impostor} failed authentication: "
+                                              "unsigned reply with status 200"):
+        client.heartbeat(0, 0, 0.0)
+    client.close()
+
+
+def test_a_client_answered_by_another_server_at_its_drivers_address_looks_at_the_file_too(
+        tmp_path: Path, impostor: str) -> None:
+    """The old address reused by another service: a reply that fails authentication also
+    makes the client look where a restarted driver may have said it serves."""
+    state = StateDir(tmp_path)
+    moved = f"http://127.0.0.1:{closed_port()}"
+    state.write_url(moved)
+    locator = DriverLocator(impostor, state.url_file)
+    client = DriverClient(impostor, "s" * 64, "w#0", locator=locator)
+    with pytest.raises(RendezvousError, match=f"reply from the driver at {impostor} failed authentication"):
+        client.heartbeat(0, 0, 0.0)
+    assert locator.url == moved
+    client.close()
