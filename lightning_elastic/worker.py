@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
