@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 import urllib.parse
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
