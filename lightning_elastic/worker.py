@@ -339,7 +339,15 @@ class ElasticWorker:
         """Leave the current round and join the next one (called by ``@run``)."""
         self._reset_started_at = time.time()
         self.resets += 1
-        self._forget_group()
+        connections = self._forget_group()
+        if connections and self.backend != "nccl" and self._round_broken_reason() is not None:
+            # A round that lost a member: an operation of its group still queued or waiting
+            # on a peer that left it (whose group, kept alive by its DDP module, keeps its
+            # sockets open) would hold the destroy below, which joins the group's threads,
+            # for the group's whole timeout. The heartbeat cuts these connections when it
+            # learns of the loss while the group stands; when this worker's own collective
+            # failed first, it is done here.
+            group_sockets.shut_down(connections)
         if self._group_abandoned:
             abandon_round_group()
             self._group_abandoned = False
@@ -350,11 +358,13 @@ class ElasticWorker:
         else:
             self._join_next_round()
 
-    def _forget_group(self) -> None:
+    def _forget_group(self) -> frozenset:
         """Mark the group gone before it is destroyed: the heartbeat thread then leaves it
-        (and its successor, until formed) alone."""
+        (and its successor, until formed) alone. Returns the group's connections."""
         with self._lock:
+            connections = self._group_connections[1]
             self._group_connections = (0, frozenset())
+        return connections
 
     def shutdown(self) -> None:
         """Leave the job at the process's exit (``le.init`` registers this with ``atexit``).
@@ -590,9 +600,13 @@ class ElasticWorker:
         with self._lock:
             if self._last_broken_round >= self.assignment.round:
                 return p.RoundLostReply(True)
-        return self._client.round_lost(
+        reply = self._client.round_lost(
             self.assignment.round, self.settings.lost_member_wait, collective, error, self._commits_in_round
         )
+        if reply.lost:
+            with self._lock:  # the round is broken: its group's connections are cut at the reset
+                self._last_broken_round = max(self._last_broken_round, self.assignment.round)
+        return reply
 
     def wait_collective(self, work: dist.Work) -> None:
         """Wait for an asynchronous collective of the current round, or give it up.
