@@ -31,13 +31,11 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import IO
 
-from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
-from lightning_elastic.launcher.processes.spawn import die_with_parent_preexec
-from lightning_elastic.launcher.processes.ssh import SshProcess
+from lightning_elastic.launcher.processes.spawn import start_supervisor_client
+from lightning_elastic.launcher.processes.ssh import SshProcess, start_message
 from lightning_elastic.launcher.slurm import SlurmNodes
-from lightning_elastic.protocol import ENV_SECRET_FD
 
 log = logging.getLogger(__name__)
 
@@ -97,27 +95,10 @@ class SlurmLauncher:
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> SlurmProcess:
         job_id = self._nodes.job_of(spec.host)
-        start = {
-            "command": list(spec.command),
-            "env": dict(spec.env),  # over the driver's own environment, which srun exports
-            "cwd": spec.cwd,
-            "secret": spec.secret,
-            "secret_fd_variable": ENV_SECRET_FD,
-        }
+        start = start_message(spec, dict(spec.env))  # over the driver's own environment, which srun exports
         argv = srun_argv(job_id, spec.host, spec.cwd, spec.worker_id)
         log.debug("Starting worker %s: %s", spec.worker_id, shlex.join(argv))
-        try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # a Ctrl-C at the driver's terminal is the driver's to handle
-                preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
-                env=step_environment(os.environ),
-            )
-        except OSError as err:
-            raise StartError(f"cannot run srun to start a worker on {spec.host}: {err.strerror or err}") from None
+        proc = start_supervisor_client(argv, spec.host, env=step_environment(os.environ))
         assert proc.stdout is not None
         forwarder = LineForwarder(proc.stdout, prefix, spec.log_file, self._sink, f"srun-output-{proc.pid}")
         forwarder.start()

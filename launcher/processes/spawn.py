@@ -18,6 +18,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from lightning_elastic.launcher.errors import StartError
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -31,6 +33,26 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 def die_with_parent_preexec() -> object:
     """``preexec_fn`` for any child that must not outlive this process (None off Linux)."""
     return _die_with_parent if sys.platform.startswith("linux") else None
+
+
+def start_supervisor_client(argv: Sequence[str], host: str,
+                            env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start the local end (``ssh``, ``srun``) of a worker's supervisor on ``host``: pipes
+    for the start message and signals, the worker's output and the client's own errors; a
+    session of its own (a Ctrl-C at the driver's terminal is the driver's to handle); it
+    dies with the driver. A client that cannot run is one line naming it and the host."""
+    try:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
+            env=env,
+        )
+    except OSError as err:  # no ssh client or srun here: no worker can start this way
+        raise StartError(f"cannot run {argv[0]} to start a worker on {host}: {err.strerror or err}") from None
 
 
 def spawn_worker(

@@ -26,14 +26,13 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from lightning_elastic.launcher.config import SshSettings
-from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.detached import CountingStream, read_offset
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
-from lightning_elastic.launcher.processes.spawn import die_with_parent_preexec
+from lightning_elastic.launcher.processes.spawn import start_supervisor_client
 from lightning_elastic.launcher.processes.supervisor import MARK
 from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry, safe_name
 from lightning_elastic.protocol import ENV_SECRET_FD
@@ -68,6 +67,18 @@ def ssh_argv(settings: SshSettings, host: str) -> list[str]:
     return argv
 
 
+def start_message(spec: WorkerSpec, env: dict[str, str]) -> dict[str, Any]:
+    """What the supervisor reads first on its stdin (see supervisor.py): the worker's
+    command, environment, directory and the job secret, which never reaches a command line."""
+    return {
+        "command": list(spec.command),
+        "env": env,
+        "cwd": spec.cwd,
+        "secret": spec.secret,
+        "secret_fd_variable": ENV_SECRET_FD,
+    }
+
+
 def remote_command(cwd: str, python: str = sys.executable) -> str:
     return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m lightning_elastic.launcher.processes.supervisor"
 
@@ -84,13 +95,7 @@ class SshLauncher:
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> SshProcess:
         env = {k: os.environ[k] for k in FORWARDED_BY_DEFAULT if k in os.environ}
         env.update(spec.env)
-        start = {
-            "command": list(spec.command),
-            "env": env,
-            "cwd": spec.cwd,
-            "secret": spec.secret,
-            "secret_fd_variable": ENV_SECRET_FD,
-        }
+        start = start_message(spec, env)
         if self._state_dir is not None:
             start["detach"] = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(spec.worker_id)}
         return self._connect(spec.host, spec.cwd, spec.worker_id, start, prefix, spec.log_file, None)
@@ -110,17 +115,7 @@ class SshLauncher:
                  log_file: Path | None, offset: int | None) -> SshProcess:
         argv = [*ssh_argv(self._settings, host), remote_command(cwd)]
         log.debug("Starting worker %s: %s", worker_id, shlex.join(argv))
-        try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # a Ctrl-C at the driver's terminal is the driver's to handle
-                preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
-            )
-        except OSError as err:  # no OpenSSH client here: no remote host can get a worker
-            raise StartError(f"cannot run ssh to start a worker on {host}: {err.strerror or err}") from None
+        proc = start_supervisor_client(argv, host)
         assert proc.stdout is not None
         started: list[SshProcess] = []
         stream: IO[bytes] = proc.stdout
