@@ -81,15 +81,20 @@ def remote_hosts(request: pytest.FixtureRequest) -> Iterator[NamespacedHosts]:
     Skipped where this box cannot have them (not root, no ``ip``, no namespaces), but in CI
     (``CI`` set) that is a failure: CI must run these tests, not silently skip them.
     """
-    hosts = NamespacedHosts()
+    yield from started(NamespacedHosts(), HostsUnavailable, "namespaced remote hosts", request)
+
+
+def started(bed, unavailable: type[Exception], what: str, request: pytest.FixtureRequest) -> Iterator:
+    """Start a test bed for a session fixture to yield, and close it after; a bed this box
+    cannot have skips (or fails in CI, see ``skip_or_fail``)."""
     try:
         try:
-            hosts.start()
-        except HostsUnavailable as exc:
-            skip_or_fail(request, f"namespaced remote hosts unavailable: {exc}")
-        yield hosts
+            bed.start()
+        except unavailable as exc:
+            skip_or_fail(request, f"{what} unavailable: {exc}")
+        yield bed
     finally:
-        hosts.close()
+        bed.close()
 
 
 def skip_or_fail(request: pytest.FixtureRequest, reason: str) -> None:
@@ -109,15 +114,7 @@ def skip_or_fail(request: pytest.FixtureRequest, reason: str) -> None:
 def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
     """A Slurm cluster of namespaced nodes le-s1..le-s4 (see slurm_cluster.py), shared by the
     session's Slurm tests; every daemon stopped and namespace removed at the end."""
-    cluster = SlurmCluster()
-    try:
-        try:
-            cluster.start()
-        except ClusterUnavailable as exc:
-            skip_or_fail(request, f"namespaced Slurm cluster unavailable: {exc}")
-        yield cluster
-    finally:
-        cluster.close()
+    yield from started(SlurmCluster(), ClusterUnavailable, "namespaced Slurm cluster", request)
 
 
 @pytest.fixture

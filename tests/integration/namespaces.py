@@ -133,6 +133,36 @@ def set_marked_hosts(entries: dict[str, str], mark: str) -> None:
         _write_atomically(ETC_HOSTS, new)
 
 
+class Steps:
+    """Tear-down steps, each tried even if an earlier one failed; ``raise_first()`` at the end."""
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+
+    def attempt(self, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - keep tearing down, report afterwards
+            self.errors.append(exc)
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+
+def remove_bridged_namespaces(names: Sequence[str], bridge: str, mark: str, kill: Callable[[str], object],
+                              steps: Steps) -> None:
+    """Undo ``make_bridged_namespaces``: ``kill(name)`` what runs in each of ``names`` that
+    exists, delete it, its link and the bridge, and the /etc/hosts lines ending in ``mark``."""
+    listed = [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]
+    for name in names:
+        if name in listed:
+            steps.attempt(lambda name=name: kill(name))
+            steps.attempt(lambda name=name: _run(["ip", "netns", "delete", name]))
+    delete_links(names, bridge)
+    steps.attempt(lambda: set_marked_hosts({}, mark))
+
+
 class NamespacedHosts:
     """Hosts ``le-h1``..``le-h3`` with sshd and ``le-h4`` without, on bridge ``lebr0``."""
 
@@ -348,23 +378,8 @@ class NamespacedHosts:
         temp dirs. Every step is tried even if an earlier one fails; the first error is raised."""
         if os.geteuid() != 0 or shutil.which("ip") is None:
             return  # start() refused before making anything
-        errors: list[Exception] = []
-
-        def attempt(step: Callable[[], object]) -> None:
-            try:
-                step()
-            except Exception as exc:  # noqa: BLE001 - keep tearing down, report afterwards
-                errors.append(exc)
-
-        listed = [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines()
-                  if line.strip()]
-        for name in [*SSH_HOSTS, UNREACHABLE]:
-            if name in listed:
-                attempt(lambda name=name: self.kill_all(name))
-                attempt(lambda name=name: _run(["ip", "netns", "delete", name]))
-        delete_links([*SSH_HOSTS, UNREACHABLE], BRIDGE)
-        attempt(lambda: set_marked_hosts({}, MARK))
+        steps = Steps()
+        remove_bridged_namespaces([*SSH_HOSTS, UNREACHABLE], BRIDGE, MARK, self.kill_all, steps)
         for stale in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):  # keys, configs, logs
             shutil.rmtree(stale, ignore_errors=True)
-        if errors:
-            raise errors[0]
+        steps.raise_first()

@@ -28,11 +28,11 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from tests.integration.namespaces import (_poll, _run, delete_links, kill_namespace, make_bridged_namespaces,
-                                          namespace_pids, set_marked_hosts)
+from tests.integration.namespaces import (Steps, _poll, kill_namespace, make_bridged_namespaces, namespace_pids,
+                                          remove_bridged_namespaces, set_marked_hosts)
 
 SUBNET = "10.213.79"  # bridge .1 (and slurmctld), nodes .11, .12, ...
 BRIDGE = "lebr1"
@@ -248,33 +248,19 @@ class SlurmCluster:
     def _remove_leftovers(self) -> None:
         """Kill this (or a crashed earlier) run's daemons and node processes; delete the
         namespaces, the bridge, our /etc/hosts lines and temp dirs. Every step is tried."""
-        errors: list[Exception] = []
-
-        def attempt(step: Callable[[], object]) -> None:
-            try:
-                step()
-            except Exception as exc:  # noqa: BLE001 - keep tearing down, report afterwards
-                errors.append(exc)
-
-        listed = [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]
-        for name in NODES:
-            if name in listed:
-                attempt(lambda name=name: self.crash(name))
-                attempt(lambda name=name: _run(["ip", "netns", "delete", name]))
+        steps = Steps()
+        remove_bridged_namespaces(NODES, BRIDGE, MARK, self.crash, steps)
         # The controller and munged run in the root namespace: found by their pid files.
         for stale in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):
             for pid_file in ("slurmctld.pid", "munged.pid"):
-                attempt(lambda path=stale / pid_file, d=stale: _kill_daemon(path, str(d)))
+                steps.attempt(lambda path=stale / pid_file, d=stale: _kill_daemon(path, str(d)))
         for proc in (self._slurmctld, self._munged):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-        delete_links(NODES, BRIDGE)
-        attempt(lambda: set_marked_hosts({}, MARK))
         for stale in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
-        if errors:
-            raise errors[0]
+        steps.raise_first()
 
 
 def _kill_daemon(pid_file: Path, marker: str) -> None:

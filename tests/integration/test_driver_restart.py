@@ -43,6 +43,19 @@ def start_again(job: Job, name: str, launch_args: list[str], example_args: list[
     job.start(launch_args, example_args)
 
 
+def start_over_ssh(job: Job, hosts, epochs: int) -> tuple[list[str], list[str], set[int]]:
+    """Two workers on two namespaced ssh hosts with a state dir, past their fourth step:
+    the launch's arguments, the example's, and the workers' pids."""
+    h1, h2 = hosts.names[:2]
+    args = [*hosts.ssh_args, "-H", f"{h1}:1,{h2}:1", "-np", "2", "--state-dir", str(job.dir / "state"),
+            "--log-dir", str(job.dir / "logs")]
+    example = [*STEADY, "--epochs", str(epochs)]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    return args, example, {e["pid"] for e in job.events("start")}
+
+
 def max_step(job: Job) -> int:
     return max((e["step"] for e in job.events("step")), default=0)
 
@@ -190,14 +203,7 @@ def _alive(pid: int) -> bool:
 def test_restarted_driver_reattaches_to_workers_on_other_machines(job: Job, hosts) -> None:
     """Over ssh: the connections close with the driver, the supervisors leave their workers
     running, and the restarted driver re-attaches (output, signals, exit status)."""
-    h1, h2 = hosts.names[:2]
-    args = [*hosts.ssh_args, "-H", f"{h1}:1,{h2}:1", "-np", "2", "--state-dir", str(job.dir / "state"),
-            "--log-dir", str(job.dir / "logs")]
-    example = [*STEADY, "--epochs", "8"]
-    job.start(args, example)
-    job.wait_rounds(1)
-    job.wait_steps(4)
-    pids = {e["pid"] for e in job.events("start")}
+    args, example, pids = start_over_ssh(job, hosts, epochs=8)
     kill_driver(job)
     killed_at = max_step(job)
     wait_for(lambda: max_step(job) >= killed_at + 10, 30, "steps while no driver runs")
@@ -242,14 +248,8 @@ def test_a_driver_restarted_on_another_machine_is_found_through_the_shared_state
     """The first driver on this machine, SIGKILLed; the next one in namespace le-h3, another
     machine with another address sharing the filesystem (so the state dir): it re-attaches
     to the ssh workers and they, their driver gone, follow the address it wrote there."""
-    h1, h2, elsewhere = hosts.names[:3]
-    args = [*hosts.ssh_args, "-H", f"{h1}:1,{h2}:1", "-np", "2", "--state-dir", str(job.dir / "state"),
-            "--log-dir", str(job.dir / "logs")]
-    example = [*STEADY, "--epochs", "4"]
-    job.start(args, example)
-    job.wait_rounds(1)
-    job.wait_steps(4)
-    pids = {e["pid"] for e in job.events("start")}
+    elsewhere = hosts.names[2]
+    args, example, pids = start_over_ssh(job, hosts, epochs=4)
     first_url = (job.dir / "state" / "driver-url").read_text().strip()
     kill_driver(job)
     # The same command on the other machine: `ip netns exec` execs it, so job.proc is the driver.
