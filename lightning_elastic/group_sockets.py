@@ -25,12 +25,13 @@ import socket
 import struct
 from collections.abc import Collection, Iterable
 
-import psutil
-
 log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 Connection = tuple[Address, Address]  # (local, remote)
+
+FD_DIRECTORY = "/proc/self/fd"
+TCP_ESTABLISHED = 1  # Linux's tcp_states.h
 
 
 def _plain(address: Iterable) -> Address:
@@ -41,11 +42,30 @@ def _plain(address: Iterable) -> Address:
 
 
 def established() -> dict[Connection, int]:
-    """This process's established TCP connections, mapped to their descriptors."""
+    """This process's connected TCP sockets, mapped to their descriptors.
+
+    Read from the process's own descriptors (each socket's endpoints asked on a duplicate),
+    not from the system's connection table: psutil's walk of ``/proc/net/tcp`` took 11-15 ms
+    idle and 20-35 ms beside a starting worker, three times in each recovery; this takes
+    well under 1 ms. Only established connections count (the state is the first byte of
+    the kernel's ``tcp_info``): not a listener, nor one shut down or closed by its peer.
+    """
     found = {}
-    for c in psutil.Process().net_connections("tcp"):
-        if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.fd >= 0:
-            found[(_plain(c.laddr), _plain(c.raddr))] = c.fd
+    for name in os.listdir(FD_DIRECTORY):
+        try:
+            if not os.readlink(f"{FD_DIRECTORY}/{name}").startswith("socket:"):
+                continue
+            duplicate = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue  # closed since it was listed, or not a socket Python can wrap
+        try:
+            if (duplicate.type == socket.SOCK_STREAM and duplicate.family in (socket.AF_INET, socket.AF_INET6)
+                    and duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_ESTABLISHED):
+                found[(_plain(duplicate.getsockname()), _plain(duplicate.getpeername()))] = int(name)
+        except OSError:
+            pass  # not connected: a listener, or not yet connected
+        finally:
+            duplicate.close()  # closes only the duplicate
     return found
 
 

@@ -235,6 +235,7 @@ group = group_sockets.published_by(opened, published)
 mine = unrelated[0].getsockname()[:2], unrelated[0].getpeername()[:2]
 print(json.dumps({"opened": len(opened), "group": len(group), "unrelated_opened": mine in opened,
                   "unrelated_in_group": mine in group}), flush=True)
+dist.barrier()  # neither rank leaves while the other may still be forming the group
 dist.destroy_process_group()
 """
 
