@@ -426,6 +426,7 @@ class Driver:
         next_pass = 0.0
         with reg.cond:
             while True:
+                missed = False
                 if self._stop_requested.is_set():
                     raise _Stop()
                 now = self._clock()
@@ -441,7 +442,12 @@ class Driver:
                     verdict = self._decide(now)
                     if verdict is not None:
                         return verdict  # workers planned in that pass are never started
+                    before_start = reg.changes
                     self._start_pending()
+                    # The start released the lock: a request that changed something meanwhile
+                    # notified nobody, and waiting a tick for it would delay (say) the round
+                    # the survivors of a fault came back for by a whole tick.
+                    missed = reg.changes != before_start
                     if dirty or reg.changes != seen:  # not after a pass on a timer alone
                         self._save_state()
                 elif now >= next_pass:
@@ -449,7 +455,8 @@ class Driver:
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
                     self._enforce_exit_timeout(now)
                 self._gc.tick()  # every turn: a re-formation's hold on collections is bounded
-                reg.cond.wait(self._config.timeouts.tick)
+                if not missed:
+                    reg.cond.wait(self._config.timeouts.tick)
 
     def _timers_pending(self, now: float) -> bool:
         """Does a decision depend on time alone now (the elastic timeout while slots are

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lightning_elastic.launcher.config import LaunchConfig
+from lightning_elastic.launcher.config import LaunchConfig, Timeouts
 from lightning_elastic.launcher.discovery import FixedHosts
 from lightning_elastic.launcher.driver import Driver
 from lightning_elastic.launcher.errors import StartError
@@ -54,3 +54,67 @@ def test_worker_processes_are_started_with_the_registry_lock_released() -> None:
     assert launcher.lock_free == [True]  # the first start fails: the second is never tried
     assert not result.success and result.reason == "COMMAND: x: no such program on PATH"
     assert result.refused  # nothing ran: one line, exit status 2
+
+
+class IdleProcess:
+    """A started worker that runs until signalled (it never asks the driver anything)."""
+
+    pid = 4242
+    child_pid = None
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def signal(self, sig: int) -> None:
+        self.code = -sig
+
+    def wait(self, timeout: float) -> int | None:
+        return self.code
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        pass
+
+    def exit_detail(self) -> str:
+        return ""
+
+
+class ChangeDuringStartLauncher:
+    """While the driver starts a worker (its lock released), a request changes something."""
+
+    def __init__(self) -> None:
+        self.driver: Driver | None = None
+
+    def start(self, spec: WorkerSpec, prefix: Callable[[], str]):
+        assert self.driver is not None
+        with self.driver._registry.cond:  # noqa: SLF001 - what a request handler does
+            self.driver._registry.note_change()  # noqa: SLF001
+        return IdleProcess()
+
+
+def test_a_change_made_while_workers_start_is_decided_on_at_once_not_a_tick_later(monkeypatch) -> None:
+    # The change's wake-up went to nobody (the loop was starting workers, not waiting): the
+    # loop must see it before it waits. A fault's survivors coming back while the driver
+    # started a replacement waited a whole tick for their round (50 ms of ~100 ms).
+    hosts = (HostSlots("localhost", 1),)
+    # A tick of 3 s: a wait for it shows plainly in the time between the two passes.
+    config = LaunchConfig(command=("x",), np=1, min_np=1, max_np=1, hosts=hosts,
+                          timeouts=Timeouts(tick=3.0, decide_every=3.0))
+    launcher = ChangeDuringStartLauncher()
+    driver = Driver(config, FixedHosts(hosts), launcher, is_local=lambda _host: True)
+    launcher.driver = driver
+    passes: list[float] = []
+    decide = driver._decide  # noqa: SLF001
+
+    def counted(now: float):
+        passes.append(now)
+        if len(passes) == 2:
+            driver.request_stop("SIGINT")
+        return decide(now)
+
+    monkeypatch.setattr(driver, "_decide", counted)
+    result = driver.run()
+    assert len(passes) >= 2 and passes[1] - passes[0] < 1.5, passes
+    assert not result.success
