@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser.add_argument("--goodput-trials", type=int, help="goodput: runs per variant (default 3; --quick 1)")
     parser.add_argument("--goodput-modes", default=",".join(goodput.CAPACITY),
                         help=f"goodput: capacity modes, a subset of {','.join(goodput.CAPACITY)} (default: all)")
+    parser.add_argument("--goodput-startup-nice", type=int, metavar="N",
+                        help="goodput: lightning-elastic's workers start at nice N and take normal priority once "
+                             "joined (root), so a replacement's start-up spares the survivors' cores as another "
+                             "machine would (default: no change)")
     parser.add_argument("--goodput-tools", default=",".join(goodput.TOOLS),
                         help=f"goodput: a subset of {','.join(goodput.TOOLS)} (default: all)")
     parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/<date>.json)")
@@ -122,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         recovery_bound=args.recovery_bound,
         goodput=goodput.Settings(periods=periods, duration=pick(args.goodput_duration, 90, 30),
                                  trials=pick(args.goodput_trials, 3, 1), modes=modes, bound=args.recovery_bound,
-                                 tools=tools),
+                                 tools=tools, startup_nice=args.goodput_startup_nice),
     )
     return config, args
 

@@ -101,6 +101,10 @@ class Settings:
     bound: float  # seconds to wait for a step after a kill
     tools: tuple[str, ...] = TOOLS
     start_timeout: float = 300.0
+    # Workers start at this nice value and take normal priority once joined
+    # (workloads/startup_priority.py): a replacement's start-up then takes little of the
+    # survivors' cores, as on another machine. None: every process at normal priority.
+    startup_nice: int | None = None
 
 
 # ----- one run --------------------------------------------------------------------------------
@@ -461,7 +465,7 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
     for key, reason in skipped.items():
         print(f"{key}: skipped ({reason})", flush=True)
     return {"workers": WORKERS, "batch": BATCH, "run_s": settings.duration, "periods_s": list(settings.periods),
-            "bound_s": settings.bound,
+            "bound_s": settings.bound, "startup_nice": settings.startup_nice,
             "runs": {key: {**entry, "trials": results[key], "skipped": skipped.get(key)}
                      for key, entry in entries.items()}}
 
@@ -474,7 +478,7 @@ def _show(value: dict[str, Any]) -> str:
 
 def _measure(entry: dict[str, Any], settings: Settings):
     def measure(index: int, directory: Path) -> dict[str, Any]:
-        started = _start(entry, directory)
+        started = _start(entry, directory, settings.startup_nice)
         try:
             t0, kills = drive(started, entry["period"], settings.duration, settings.bound, settings.start_timeout)
         except TrialError:
@@ -490,7 +494,7 @@ def _measure(entry: dict[str, Any], settings: Settings):
     return measure
 
 
-def _start(entry: dict[str, Any], directory: Path) -> Running:
+def _start(entry: dict[str, Any], directory: Path, startup_nice: int | None = None) -> Running:
     if entry["tool"] == "torchft":
         return TorchftRun(directory)
     script = WORKLOADS[entry["workload"]][0]
@@ -510,7 +514,8 @@ def _start(entry: dict[str, Any], directory: Path) -> Running:
     command = [*launcher_command(), "launch", "-np", str(WORKERS), "--min-np", "1", "--max-np", str(WORKERS),
                "--host-discovery-script", str(discovery.script), "--discovery-interval", str(DISCOVERY_INTERVAL),
                *flags, "--log-dir", str(directory / "launch"), *inner]
-    return JobRun(command, directory, discovery=discovery if mode != "none" else None)
+    env = {"BENCH_STARTUP_NICE": str(startup_nice)} if startup_nice else None
+    return JobRun(command, directory, env, discovery=discovery if mode != "none" else None)
 
 
 def _skip_unknown_option(started: Running, entry: dict[str, Any]) -> None:
@@ -592,8 +597,11 @@ def report(result: dict[str, Any]) -> str:
         if entry["tool"].startswith("le/") and period == 10 and capacity != "none":
             goals.append(_goal_line(entry, pace, ratio, first, trials))
     periods = ", ".join(f"{p:g} s" for p in result["periods_s"])
+    nice = result.get("startup_nice")
+    startup = (f"lightning-elastic's workers start at nice {nice} and take normal priority once joined "
+               "(a replacement's start-up off the survivors' cores, as on another machine); ") if nice else ""
     return (f"Goodput, {result['workers']} workers, small model, {result['run_s']:.0f} s of training per run, "
-            f"SIGKILL of rank 1 or 2 every {periods} (none: failure-free); medians over trials (range); "
+            f"SIGKILL of rank 1 or 2 every {periods} (none: failure-free); {startup}medians over trials (range); "
             f"per-failure times pooled over trials, median / max:\n\n"
             + md_table(["tool, capacity", "SIGKILL", "goodput (samples/s)", "/ failure-free", "/ own full-world pace",
                         "pace by world size (samples/s)", "steps redone per failure",

@@ -19,6 +19,10 @@ save_top_k=0)`` (only ``D/last.ckpt``), and ``fit(ckpt_path=D/last.ckpt)`` when 
 
 from __future__ import annotations
 
+import startup_priority  # noqa: I001 - before the heavy imports
+
+startup_priority.lower()
+
 import argparse
 import faulthandler
 import os
@@ -102,6 +106,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    startup_priority.restore()  # joined: as any worker from here on
     loader = DataLoader(TensorDataset(*sh.random_data(spec)), batch_size=spec.batch, shuffle=False)
     trainer.fit(Module(spec), train_dataloaders=loader, ckpt_path=resume)
 

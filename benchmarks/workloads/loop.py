@@ -20,6 +20,10 @@ previous one whole), and every rank of a (re)started job resumes from it when it
 
 from __future__ import annotations
 
+import startup_priority  # noqa: I001 - before the heavy imports
+
+startup_priority.lower()
+
 import argparse
 import faulthandler
 import os
@@ -57,6 +61,7 @@ def main() -> None:
         import lightning_elastic as le
 
         le.init()
+        startup_priority.restore()  # joined: as any worker from here on
         state = le.TorchState(model, optimizer, step=0)
         ddp = le.DistributedDataParallel(model)  # torch's DDP, rebuilt on each new group
 
