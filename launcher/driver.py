@@ -423,6 +423,7 @@ class Driver:
         reg = self._registry
         decide_every = self._config.timeouts.decide_every
         seen = -1
+        saved_reports = reg.reports
         next_pass = 0.0
         with reg.cond:
             while True:
@@ -444,10 +445,14 @@ class Driver:
                     self._start_pending()
                     if dirty or reg.changes != seen:  # not after a pass on a timer alone
                         self._save_state()
+                        saved_reports = reg.reports
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
                     self._enforce_exit_timeout(now)
+                if reg.reports != saved_reports:  # reports that needed no decision: kept once a tick
+                    saved_reports = reg.reports
+                    self._save_state()
                 self._gc.tick()  # every turn: a re-formation's hold on collections is bounded
                 reg.cond.wait(self._config.timeouts.tick)
 

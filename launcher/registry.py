@@ -150,6 +150,12 @@ class Registry:
         # Bumped whenever the driver is notified of a request: the driver re-plans only
         # when it moved (or a timer is due), not on every tick.
         self.changes = 0
+        # Bumped by every report, noted or not: a report that needs no decision (see
+        # ``report``) still belongs in the state a --state-dir driver saves.
+        self.reports = 0
+        # The round in which a member first reported that training returned: later DONE
+        # reports of that round decide nothing until their worker exits.
+        self._returned_in: int | None = None
         self.workers: dict[str, WorkerRecord] = {}
         self.round: RoundInfo | None = None
         self.generation = 0
@@ -519,6 +525,16 @@ class Registry:
             record.report = report
             if report.snapshots_written or report.snapshots_failed:
                 record.snapshots = (report.snapshots_written, report.snapshots_failed, report.snapshot_error[:200])
+            self.reports += 1
+            if report.outcome == Outcome.DONE and self.current_member(record):
+                number = self.round.number  # type: ignore[union-attr]
+                if self._returned_in == number:
+                    # Training had already returned in this round: the driver decides again
+                    # when this worker exits (its reap wakes it), not now. At the end of a
+                    # job of thousands, a decision pass per DONE, each under this lock,
+                    # took seconds while the reports queued behind them.
+                    return
+                self._returned_in = number
             self.note_change()
 
 
