@@ -1077,9 +1077,10 @@ def _prefix_of(record: WorkerRecord) -> Callable[[], str]:
 
 
 def raise_descriptor_limit() -> None:
-    """Raise the soft limit on open descriptors to the hard one. The driver holds one or
-    two per worker (its connections, its output pipe; three for an ssh worker): the usual
-    soft limit of 1024 ends a job of a few hundred workers with EMFILE."""
+    """Raise the soft limit on open descriptors to the hard one. The driver holds up to
+    four per worker (its three connections and its output pipe; six for an ssh worker, whose
+    client has three pipes; README, "Large jobs"): the usual soft limit of 1024 ends a job
+    of a few hundred workers with EMFILE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20  # the kernel refuses "unlimited" here
     if soft != resource.RLIM_INFINITY and soft < wanted:
