@@ -290,6 +290,13 @@ def test_hundreds_of_replacements_under_a_low_descriptor_limit(job: Job) -> None
     assert code == 0, err[-3000:]
     assert replacements >= 100, replacements
     assert "Errno 24" not in err and "Too many open files" not in err
+    # The summary of a job of weeks: each failure counted, 100 listed; the host once (was once
+    # per blacklisting: one host 17 times).
+    summary = err[err.index("lightning-elastic job summary"):]
+    assert re.search(rf"failures:\s+{replacements}\b", summary), summary[:2000]
+    assert summary.count("\n    - ") <= 100 and "more (events.jsonl in --log-dir has every one)" in summary
+    blacklisted = next(line for line in summary.splitlines() if "blacklisted:" in line)
+    assert blacklisted.count("127.0.0.2") == 1, blacklisted
 
 
 
