@@ -15,6 +15,8 @@ simulated workers speaking the real signed protocol run in this process, pinned 
 - re-formation: one worker "SIGKILLed" (its connections close, the driver is told it
   exited with -9) -> every survivor holds its round-2 assignment (its host's 7 other
   workers are stopped by the driver, as a blacklisted host's are);
+- the end: every survivor reports DONE and exits at once -> every report answered, and
+  the driver's exit (verdict and summary written);
 - dropped connections: connection errors the workers saw, and the kernel's listen-queue
   overflows (``TcpExtListenOverflows``) during the run; false "wedged" verdicts: workers
   the driver killed that the simulator did not.
@@ -192,10 +194,15 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
             finally:
                 worker.exit(0)
 
+        finish_started = time.monotonic()
         ends = await asyncio.gather(*(finish(w) for w in sim.live()), return_exceptions=True)
+        # Every DONE report answered (each worker exits as soon as its own is).
+        result["done_reports_s"] = time.monotonic() - finish_started
         result["end_errors"] = sorted({f"{type(e).__name__}: {e}" for e in ends if isinstance(e, BaseException)})[:3]
         # Read while waiting: the result line (with the GC pauses) can exceed a pipe's buffer.
         stdout, _ = await asyncio.wait_for(driver.communicate(), bound)
+        # The first DONE sent -> the driver's exit, its verdict and summary written.
+        result["finish_s"] = time.monotonic() - finish_started
         out = stdout.decode().strip().splitlines()
         job = json.loads(out[-1]) if out else {}
         result["job"] = {"success": job.get("success"), "reason": job.get("reason"), "rounds": job.get("rounds")}
@@ -270,8 +277,8 @@ def table(results: list[dict[str, Any]]) -> str:
             "| driver CPU, steady | heartbeat overhead p50 / p99 "
             "| driver threads | driver RSS | connection errors (before the end) | listen overflows | false wedged "
             "| GC while re-forming: pauses (full), longest, total | GC over the job: longest, total "
-            "| simulator GC while re-forming |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| simulator GC while re-forming | the end: DONE reports answered / driver exited |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         rows.append(
             f"| {r['workers']} | {r.get('heartbeat_interval') or 'default'} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
@@ -281,7 +288,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r.get('driver_threads', '—')} | {fmt(r.get('driver_rss_mb'), '.0f', '—')} MB "
             f"| {r.get('connection_errors_before_end', r['connection_errors'])} | {r['listen_overflows']} | {r['false_wedged']} "
             f"| {gc_cell(r.get('driver_gc_reform'), counts=True)} | {gc_cell(r.get('driver_gc'))} "
-            f"| {gc_cell(r.get('simulator_gc_reform'), counts=True)} |"
+            f"| {gc_cell(r.get('simulator_gc_reform'), counts=True)} "
+            f"| {fmt(r.get('done_reports_s'), '.2f', '—')} / {fmt(r.get('finish_s'), '.2f', '—')} s |"
         )
     return "\n".join(rows)
 

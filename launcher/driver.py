@@ -423,6 +423,7 @@ class Driver:
         reg = self._registry
         decide_every = self._config.timeouts.decide_every
         seen = -1
+        saved_reports = reg.reports
         next_pass = 0.0
         with reg.cond:
             while True:
@@ -450,10 +451,14 @@ class Driver:
                     missed = reg.changes != before_start
                     if dirty or reg.changes != seen:  # not after a pass on a timer alone
                         self._save_state()
+                        saved_reports = reg.reports
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
                     self._enforce_exit_timeout(now)
+                if reg.reports != saved_reports:  # reports that needed no decision: kept once a tick
+                    saved_reports = reg.reports
+                    self._save_state()
                 self._gc.tick()  # every turn: a re-formation's hold on collections is bounded
                 if not missed:
                     reg.cond.wait(self._config.timeouts.tick)
@@ -1079,9 +1084,10 @@ def _prefix_of(record: WorkerRecord) -> Callable[[], str]:
 
 
 def raise_descriptor_limit() -> None:
-    """Raise the soft limit on open descriptors to the hard one. The driver holds one or
-    two per worker (its connections, its output pipe; three for an ssh worker): the usual
-    soft limit of 1024 ends a job of a few hundred workers with EMFILE."""
+    """Raise the soft limit on open descriptors to the hard one. The driver holds up to
+    four per worker (its three connections and its output pipe; six for an ssh worker, whose
+    client has three pipes; README, "Large jobs"): the usual soft limit of 1024 ends a job
+    of a few hundred workers with EMFILE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20  # the kernel refuses "unlimited" here
     if soft != resource.RLIM_INFINITY and soft < wanted:

@@ -42,12 +42,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.line_file import BackgroundLineFile
+from lightning_elastic.launcher.registry import ROUNDS_KEPT
 
 FILE_NAME = "events.jsonl"
 # What one job writes to its --log-dir (timeline.png is `lightning-elastic timeline`'s default).
@@ -110,7 +111,8 @@ class EventLog:
             # Written by a thread of its own: events are emitted with the registry's lock held.
             self._file = BackgroundLineFile(directory / FILE_NAME, self._stopped_by)
         # What the registry showed at the last observe(): new facts become events.
-        self._breaks_seen = 0
+        # Round numbers (a round breaks once): as bounded as the registry's tables they follow.
+        self._breaks_seen: set[int] = set()
         self._first_steps_seen: set[int] = set()
         self._reset_cause: dict[int, tuple[str, float]] = {}  # next round -> (what, when)
 
@@ -136,14 +138,18 @@ class EventLog:
     def round_formed(self, number: int, members: list[dict[str, Any]]) -> None:
         self.emit("round_formed", round=number, size=len(members), members=members)
 
-    def observe(self, breaks: list[Any], first_steps: dict[int, float], current_round: int) -> None:
-        """Turn what the registry learnt since the last call into events (driver lock held)."""
-        for b in breaks[self._breaks_seen:]:
+    def observe(self, breaks: Iterable[Any], first_steps: dict[int, float], current_round: int) -> None:
+        """Turn what the registry learnt since the last call into events (driver lock held).
+        ``breaks`` and ``first_steps`` hold the newest rounds only (``registry.ROUNDS_KEPT``)."""
+        seen = self._breaks_seen
+        for b in breaks:
+            if b.round in seen:
+                continue
             now = self._clock()
             self.emit("round_broken", round=b.round, cause=b.cause)
             # A fault outranks a host change announced just before it: recovery starts here.
             self._reset_cause[b.round + 1] = ("fault", now)
-        self._breaks_seen = len(breaks)
+        self._breaks_seen = {b.round for b in breaks}
         for number in sorted(first_steps):
             if number in self._first_steps_seen or number > current_round:
                 continue
@@ -155,6 +161,8 @@ class EventLog:
                 what, since = cause
                 self.emit("recovery", round=number, after=what, since=round(since, 6),
                           duration_s=round(max(0.0, at - since), 6))
+        if len(self._first_steps_seen) > 2 * ROUNDS_KEPT:  # older rounds are never reported again
+            self._first_steps_seen = {n for n in self._first_steps_seen if n >= current_round - ROUNDS_KEPT}
 
     def _first_cause_before(self, number: int) -> tuple[str, float] | None:
         """What ended the round before ``number``: rounds numbers are consecutive, but a

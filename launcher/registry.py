@@ -16,6 +16,7 @@ once every arrival it awaits has come (``await_arrivals``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import re
@@ -135,6 +136,12 @@ class RoundBreak:
     commits: int = 0  # commits the round made before the error
 
 
+# Facts kept per round (its break, its first step, its verdicts) for this many rounds back:
+# a job of weeks with a host that keeps failing forms thousands of rounds, and a break of a
+# round of 4,096 holds its 4,096 slots. Nothing asks about a round this old.
+ROUNDS_KEPT = 64
+
+
 class Registry:
     def __init__(self, clock: Callable[[], float] = time.monotonic, repeated_error_limit: int = 3) -> None:
         self._clock = clock
@@ -150,11 +157,18 @@ class Registry:
         # Bumped whenever the driver is notified of a request: the driver re-plans only
         # when it moved (or a timer is due), not on every tick.
         self.changes = 0
+        # Bumped by every report, noted or not: a report that needs no decision (see
+        # ``report``) still belongs in the state a --state-dir driver saves.
+        self.reports = 0
+        # The round in which a member first reported that training returned: later DONE
+        # reports of that round decide nothing until their worker exits.
+        self._returned_in: int | None = None
         self.workers: dict[str, WorkerRecord] = {}
         self.round: RoundInfo | None = None
         self.generation = 0
         self.broken_rounds: set[int] = set()
-        self.breaks: list[RoundBreak] = []  # in round order
+        # In round order; the newest ROUNDS_KEPT (or the repeated-error limit, if more).
+        self.breaks: collections.deque[RoundBreak] = collections.deque(maxlen=max(ROUNDS_KEPT, repeated_error_limit))
         # Round -> the earliest first training step any member reported in it (wall clock).
         self.first_steps: dict[int, float] = {}
         # Set once the same collective error has ended too many rounds: the job's end.
@@ -243,7 +257,7 @@ class Registry:
         self.breaks.append(RoundBreak(number, slots, cause, error, commits))
         log.info("Round %d is broken: %s.", number, cause)
         if self.repeated_error is None:
-            self.repeated_error = repeated_collective_error(self.breaks, self._repeated_error_limit)
+            self.repeated_error = repeated_collective_error(list(self.breaks), self._repeated_error_limit)
         self.note_change()
         self._fire_live()  # heartbeats and round-lost verdicts answer at once
         return True
@@ -281,11 +295,19 @@ class Registry:
         )
         for old in [r for r in self._own_errors if r < number - 1]:
             del self._own_errors[old]
+        self._forget_rounds_before(number - ROUNDS_KEPT)
         self.note_change()
         for record, _ in members:
             record.wake.fire()
         self._fire_askers()  # asking about the previous round: "all members asking" changed
         return self.round
+
+    def _forget_rounds_before(self, oldest: int) -> None:
+        """Per-round facts stay bounded over a job of weeks (``breaks`` is a bounded deque)."""
+        self.broken_rounds = {n for n in self.broken_rounds if n >= oldest}
+        self.user_error_rounds = {n for n in self.user_error_rounds if n >= oldest}
+        for n in [n for n in self.first_steps if n < oldest]:
+            del self.first_steps[n]
 
     # ----- service side: each call records, then waits (bounded) for the driver -------
 
@@ -519,6 +541,16 @@ class Registry:
             record.report = report
             if report.snapshots_written or report.snapshots_failed:
                 record.snapshots = (report.snapshots_written, report.snapshots_failed, report.snapshot_error[:200])
+            self.reports += 1
+            if report.outcome == Outcome.DONE and self.current_member(record):
+                number = self.round.number  # type: ignore[union-attr]
+                if self._returned_in == number:
+                    # Training had already returned in this round: the driver decides again
+                    # when this worker exits (its reap wakes it), not now. At the end of a
+                    # job of thousands, a decision pass per DONE, each under this lock,
+                    # took seconds while the reports queued behind them.
+                    return
+                self._returned_in = number
             self.note_change()
 
 

@@ -550,6 +550,66 @@ def test_report_wakes_the_driver(reg, pool):
     fut.result(timeout=PROMPT)
 
 
+def test_only_the_first_done_of_a_round_wakes_the_driver(reg):
+    """Training returned once the first member says so; the others' DONE decide nothing
+    until they exit (their reaps wake the driver). At the end of a job of thousands, a
+    decision pass per DONE, each holding the lock the service needs, took 3.5 s."""
+    members = [add(reg, f"w{i}") for i in range(3)]
+    outsider = add(reg, "w3")  # not in the round (a spare, a joiner): its report always counts
+    form(reg, *members)
+    changes = reg.changes
+    reg.report(Report("w0", 1, Outcome.DONE))
+    assert reg.changes == changes + 1 and reg.reports == 1
+    reg.report(Report("w1", 1, Outcome.DONE))
+    reg.report(Report("w2", 1, Outcome.DONE))
+    assert reg.changes == changes + 1  # recorded, counted for the saved state, not a decision
+    assert reg.reports == 3 and all(m.reported_done for m in members)
+    reg.report(Report("w3", 1, Outcome.DONE))
+    assert reg.changes == changes + 2 and outsider.reported_done
+
+
+def test_other_reports_and_a_later_rounds_first_done_wake_the_driver(reg):
+    w0, w1 = add(reg, "w0"), add(reg, "w1")
+    form(reg, w0, w1)
+    reg.report(Report("w0", 1, Outcome.DONE))
+    changes = reg.changes
+    reg.report(Report("w1", 1, Outcome.FAILED, "boom"))  # not DONE: always a decision
+    assert reg.changes == changes + 1
+    w0.report = w1.report = None
+    form(reg, w0, w1)  # (a test's shortcut: the driver forms none once training returned)
+    changes = reg.changes
+    reg.report(Report("w1", 2, Outcome.DONE))
+    assert reg.changes == changes + 1  # round 2's own first DONE
+
+
+def test_per_round_facts_stay_bounded_over_thousands_of_rounds(tmp_path):
+    """A job of weeks with a host that keeps failing: a round broken and formed again
+    thousands of times keeps the newest ROUNDS_KEPT rounds' facts, and its timeline still
+    records every break and first step once."""
+    from lightning_elastic.launcher.events import EventLog, read_events
+    from lightning_elastic.launcher.registry import ROUNDS_KEPT
+
+    reg = Registry()
+    events = EventLog(tmp_path)
+    members = [add(reg, f"w{i}") for i in range(2)]
+    rounds = 3 * ROUNDS_KEPT + 5
+    with reg.cond:
+        for number in range(1, rounds + 1):
+            form(reg, *members)
+            reg.first_steps[number] = float(number)  # as a member's heartbeat reports it
+            events.observe(reg.breaks, reg.first_steps, number)
+            reg.mark_round_broken(number, f"worker w1 was lost in round {number}")
+            reg.user_error_rounds.add(number)
+            events.observe(reg.breaks, reg.first_steps, number)
+    assert len(reg.breaks) == ROUNDS_KEPT and reg.breaks[-1].round == rounds
+    assert max(reg.broken_rounds) == rounds and len(reg.broken_rounds) <= ROUNDS_KEPT + 1
+    assert len(reg.first_steps) <= ROUNDS_KEPT + 1 and len(reg.user_error_rounds) <= ROUNDS_KEPT + 1
+    assert len(events._breaks_seen) <= ROUNDS_KEPT and len(events._first_steps_seen) <= 2 * ROUNDS_KEPT + 1  # noqa: SLF001
+    events.close()
+    kinds = [e["kind"] for e in read_events(tmp_path)]
+    assert kinds.count("round_broken") == rounds and kinds.count("first_step") == rounds
+
+
 def test_report_of_unknown_worker_is_refused(reg):
     with pytest.raises(UnknownWorker):
         reg.report(Report("ghost", 1, Outcome.DONE))

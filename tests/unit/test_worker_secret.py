@@ -80,6 +80,7 @@ def test_settings_from_environment_read_the_secret_and_heartbeat_timeout():
     assert settings.heartbeat_interval == 1.0  # the default when the launcher gives none
     assert p.ENV_SECRET_FD not in environ
     assert not is_open(fd)
+    assert "job-secret" not in repr(settings) and "job-secret" not in str(settings)  # never in a log line
 
 
 def test_settings_default_heartbeat_timeout_is_10():
