@@ -154,6 +154,38 @@ def restore(
     return Restored(processes, target, adopted, ended)
 
 
+# A save (capture under the driver's lock, then JSON and a rename in the writer thread)
+# may take this share of the time at most: at 4,096 workers a save costs ~0.15 s of CPU,
+# and a save after every decision pass (a fleet reporting its end, one pass per few exits)
+# left the service so little of the lock that heartbeats went unrecorded.
+SAVE_SHARE = 0.1
+
+
+class SavePacing:
+    """When the driver saves its state: at once when the round or the generation changed
+    (what a restart must not get wrong), else no sooner than the last save's cost divided by
+    ``SAVE_SHARE`` after it (immediately at tens of workers; ~1.5 s apart at 4,096).
+    A change not saved yet stays due: the loop asks again every turn."""
+
+    def __init__(self, share: float = SAVE_SHARE) -> None:
+        self._share = share
+        self._pending = False
+        self._next = 0.0
+        self._saved_round: tuple[int, int] | None = None
+
+    def changed(self) -> None:
+        self._pending = True
+
+    def due(self, now: float, round_key: tuple[int, int]) -> bool:
+        return self._pending and (round_key != self._saved_round or now >= self._next)
+
+    def saved(self, now: float, round_key: tuple[int, int], cost: float) -> None:
+        """A save was handed over at ``now``; it took ``cost`` s (capture + the last write)."""
+        self._pending = False
+        self._saved_round = round_key
+        self._next = now + cost / self._share
+
+
 # How far a worker's clock may lag the driver's: an adopting driver accepts requests signed
 # this long before it started (in whole seconds, as requests are stamped). An outage longer
 # than about twice this leaves no request its predecessor saw acceptable.

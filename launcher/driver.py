@@ -187,6 +187,7 @@ class Driver:
         self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
         self._outages: list[str] = []
         self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
+        self._save_pacing = adoption.SavePacing()
         self._server: RendezvousServer | None = None
         self._processes: dict[str, WorkerProcess] = {}
         # The newest workers forgotten after a round formed, still flushed at the end.
@@ -443,11 +444,12 @@ class Driver:
                         return verdict  # workers planned in that pass are never started
                     self._start_pending()
                     if dirty or reg.changes != seen:  # not after a pass on a timer alone
-                        self._save_state()
+                        self._save_pacing.changed()
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
                     self._enforce_exit_timeout(now)
+                self._save_state_when_due(now)
                 self._gc.tick()  # every turn: a re-formation's hold on collections is bounded
                 reg.cond.wait(self._config.timeouts.tick)
 
@@ -820,8 +822,20 @@ class Driver:
 
     # ----- --state-dir ----------------------------------------------------------------
 
+    def _save_state_when_due(self, now: float) -> None:
+        """Save what decision passes changed, paced by the save's cost (``SavePacing``)."""
+        if self._keeping is None:
+            return
+        current = self._registry.round
+        key = (current.number if current else 0, self._registry.generation)
+        if self._save_pacing.due(now, key):
+            started = time.perf_counter()
+            self._save_state()
+            cost = time.perf_counter() - started + self._keeping.writer.last_write_s
+            self._save_pacing.saved(now, key, cost)
+
     def _save_state(self) -> None:
-        """Hand the job's state to the writer thread (after a decision pass: when it changed)."""
+        """Hand the job's state to the writer thread."""
         if self._keeping is None or self._server is None:
             return
         self._keeping.writer.submit(adoption.capture(

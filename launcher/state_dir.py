@@ -268,6 +268,7 @@ class StateWriter:
         self._pending: JobState | None = None
         self._closed = False
         self._failed = False
+        self.last_write_s = 0.0  # how long the last save took here (JSON + write): paces the next
         self._thread = threading.Thread(target=self._run, name="state-writer", daemon=True)
 
     def start(self) -> None:
@@ -298,7 +299,9 @@ class StateWriter:
                 closed = self._closed
             try:
                 if state is not None:
+                    started = time.perf_counter()
                     self._dir.save(state)
+                    self.last_write_s = time.perf_counter() - started
                 if time.monotonic() >= next_touch:
                     self._dir.touch_alive()
                     next_touch = time.monotonic() + ALIVE_EVERY

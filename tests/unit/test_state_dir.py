@@ -311,3 +311,20 @@ def test_an_adopting_driver_refuses_requests_signed_before_it_started():
                                  headers=sign(p.PATH_HEARTBEAT, body, timestamp=stamp)).status_code == 200
     finally:
         srv.close()
+
+
+def test_saves_are_paced_by_their_cost_except_when_the_round_changes():
+    """At 4,096 workers a save costs ~0.15 s: after every pass it starved the service."""
+    pacing = adoption.SavePacing(share=0.1)
+    assert not pacing.due(0.0, (1, 0))  # nothing changed: nothing to save
+    pacing.changed()
+    assert pacing.due(0.0, (1, 0))
+    pacing.saved(0.0, (1, 0), cost=0.05)  # the next one no sooner than 0.5 s later
+    pacing.changed()
+    assert not pacing.due(0.2, (1, 0))
+    assert pacing.due(0.5, (1, 0))  # still due: the loop saves it on a later turn
+    # A new round (or generation) is saved at once: a restart must not adopt the one before.
+    assert pacing.due(0.2, (2, 0)) and pacing.due(0.2, (1, 1))
+    pacing.saved(0.2, (2, 0), cost=0.0001)
+    pacing.changed()
+    assert pacing.due(0.2011, (2, 0))  # cheap saves (tens of workers): after every pass
