@@ -167,6 +167,7 @@ class DriverClient:
                 # next request goes where a restarted driver said it serves, if it did.
                 self._locator.refresh()
                 raise
+            self._locator.reached()  # our driver (whatever the status): a later outage re-reads at once
             if response.status_code != 200:
                 raise RendezvousError(
                     f"driver refused {path} ({response.status_code}): {response.text.strip()[:300]}"

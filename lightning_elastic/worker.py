@@ -111,11 +111,13 @@ class WorkerSettings:
     driver_patience: float = 0.0
     # --state-dir: the file a restarted driver writes its URL to (protocol.ENV_DRIVER_URL_FILE).
     driver_url_file: Path | None = None
+    world_size: int = 1  # at the start: bounds how often a fleet re-reads driver_url_file
     # Where the driver is now, shared by every client of this worker (built from the two above).
     locator: DriverLocator = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "locator", DriverLocator(self.driver_url, self.driver_url_file))
+        object.__setattr__(self, "locator", DriverLocator(self.driver_url, self.driver_url_file,
+                                                          world_size=self.world_size))
 
     @property
     def driver_lost_after(self) -> float:
@@ -147,11 +149,19 @@ class WorkerSettings:
                 cuda_device=int(environ[p.ENV_CUDA_DEVICE]) if environ.get(p.ENV_CUDA_DEVICE) else None,
                 driver_patience=float(environ.get(p.ENV_DRIVER_PATIENCE, "0")),
                 driver_url_file=Path(environ[p.ENV_DRIVER_URL_FILE]) if environ.get(p.ENV_DRIVER_URL_FILE) else None,
+                world_size=_int_or(environ.get("WORLD_SIZE"), 1),
             )
         except KeyError as err:
             raise RendezvousError(
                 f"environment variable {err.args[0]} is missing: start workers with lightning-elastic launch"
             ) from None
+
+
+def _int_or(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default
 
 
 def _driver_chose(environ: os._Environ | dict[str, str]) -> bool:
