@@ -840,7 +840,8 @@ class Driver:
             return
         self._keeping.writer.submit(adoption.capture(
             self._address, self._server.port, self._registry, self._processes, self._target,
-            self._announced_for is not None, self._hosts, self._counters()))
+            self._announced_for is not None, self._hosts, self._counters(),
+            adoption.Waits(self._standby, tuple(self._held_until.items()), self._first_exit), self._clock()))
 
     def _counters(self) -> adoption.Counters:
         return adoption.Counters(self._next_worker, tuple(self._rounds), tuple(self._failures),
@@ -862,8 +863,15 @@ class Driver:
                          "workers find this driver through %s.", self._address, state.address,
                          keeping.dir.url_file)
         with self._registry.cond:
-            restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of)  # type: ignore[arg-type]
+            restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of,  # type: ignore[arg-type]
+                                        self._clock())
         self._processes.update(restored.processes)
+        # What the previous driver was waiting out: spares stay spares, a preempted slot
+        # keeps the rest of its hold, the workers after training returned the rest of
+        # their --exit-timeout.
+        self._standby = restored.waits.standby
+        self._held_until = dict(restored.waits.held_until)
+        self._first_exit = restored.waits.first_exit
         self._target = restored.target
         self._announced_for = membership.slots_of(self._target) if state.announced else None
         self._next_worker = state.next_worker
