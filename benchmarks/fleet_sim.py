@@ -12,6 +12,11 @@ simulated workers speaking the real signed protocol run in this process, pinned 
   holds its round-1 assignment (workers all start at once);
 - steady heartbeats (``--steady`` s after round 1): the driver's CPU (share of one core),
   its threads and memory, and each heartbeat's overhead past its one-interval long poll;
+- with ``--adoption``, a driver restart (after the steady phase): the driver SIGKILLed, the
+  workers going on without it for ``--outage`` s, the same driver command started again
+  with the same ``--state-dir``: from that process's start to its imports done, and from
+  its ``Driver``'s start to every adopted worker's first request (the driver's own
+  ``workers_adopted`` measure); the re-formation below is then the adopted driver's;
 - re-formation: one worker "SIGKILLed" (its connections close, the driver is told it
   exited with -9) -> every survivor holds its round-2 assignment (its host's 7 other
   workers are stopped by the driver, as a blacklisted host's are);
@@ -34,6 +39,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -110,20 +116,27 @@ async def store_phase(sim: Simulator, proc: psutil.Process, pattern: str, n: int
 
 async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: float | None,
                   store_patterns: tuple[str, ...] = (), gloo_max: int = 0,
-                  simulator_gc: str = "frozen") -> dict[str, Any]:
+                  simulator_gc: str = "frozen", outage: float | None = None) -> dict[str, Any]:
     sim = Simulator()
     own_gc = GcPauses()
     control = workdir / f"control-{n}.sock"
     server = await sim.serve(str(control))
     log_path = workdir / f"driver-{n}.log"
     overflows_before = listen_overflows()
-    with open(log_path, "wb") as log:
-        driver = await asyncio.create_subprocess_exec(
-            sys.executable, str(DRIVER), "--workers", str(n), "--slots-per-host", str(SLOTS_PER_HOST),
-            "--control", str(control), *(["--heartbeat-interval", str(interval)] if interval else []),
-            stdout=asyncio.subprocess.PIPE, stderr=log,
-            preexec_fn=lambda: os.sched_setaffinity(0, {0}),
-        )
+    state_dir = None if outage is None else workdir / f"state-{n}"
+    log_path.write_bytes(b"")
+
+    async def spawn_driver() -> asyncio.subprocess.Process:
+        with open(log_path, "ab") as log:  # a restarted driver logs after its predecessor
+            return await asyncio.create_subprocess_exec(
+                sys.executable, str(DRIVER), "--workers", str(n), "--slots-per-host", str(SLOTS_PER_HOST),
+                "--control", str(control), *(["--heartbeat-interval", str(interval)] if interval else []),
+                *(["--state-dir", str(state_dir)] if state_dir else []),
+                stdout=asyncio.subprocess.PIPE, stderr=log,
+                preexec_fn=lambda: os.sched_setaffinity(0, {0}),
+            )
+
+    driver = await spawn_driver()
     proc = psutil.Process(driver.pid)
     result: dict[str, Any] = {"workers": n, "heartbeat_interval": interval}
     try:
@@ -167,6 +180,11 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         result["heartbeat_overhead_ms_p50"] = None if not overheads else 1000 * statistics.median(overheads)
         result["heartbeat_overhead_ms_p99"] = None if not overheads else 1000 * percentile(overheads, 0.99)
         result["heartbeats_in_steady"] = len(overheads)
+        if state_dir is not None:
+            driver = await restart_driver(sim, driver, spawn_driver, state_dir, log_path, n, outage, bound, result)
+            proc = psutil.Process(driver.pid)
+            if result.get("adoption_s") is None:
+                return result
         # A loss: one worker of the last host (its slot alone is blacklisted: its siblings
         # train on, so the new round has every other worker).
         last_host = f"sim-{(n + SLOTS_PER_HOST - 1) // SLOTS_PER_HOST - 1:04d}"
@@ -230,6 +248,71 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         for worker in sim.live():
             worker.exit(-9)
         server.close()
+
+
+ADOPTED = re.compile(r"Every adopted worker reached this driver ([0-9.]+) s after its start")
+READY = re.compile(r"driver process ready at ([0-9.]+)")
+
+
+async def restart_driver(sim: Simulator, driver: asyncio.subprocess.Process, spawn: Any, state_dir: Path,
+                         log_path: Path, n: int, outage: float, bound: float,
+                         result: dict[str, Any]) -> asyncio.subprocess.Process:
+    """SIGKILL the driver once its saved state holds the whole round, let the workers run on
+    ``outage`` s, start the same command again; the new driver's figures go to ``result``."""
+    state = state_dir / "state.json"
+
+    def whole_round_saved() -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            saved = json.loads(state.read_text())
+            return bool(saved["round"]) and len(saved["round"]["members"]) == n
+        return False
+
+    deadline = time.monotonic() + bound
+    while not whole_round_saved():
+        if time.monotonic() > deadline:
+            result["adoption_s"] = None
+            return driver
+        await asyncio.sleep(0.2)
+    driver.kill()
+    await driver.wait()
+    errors, disowned = sim.stats.connection_errors, sim.stats.disowned
+    await asyncio.sleep(outage)
+    result["adoption_outage_s"] = outage
+    result["adoption_live_after_outage"] = len(sim.live())
+    offset = log_path.stat().st_size
+    spawned_wall = time.time()
+    driver = await spawn()
+    proc = psutil.Process(driver.pid)
+
+    def new_log() -> str:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    adopted = await wait_until(lambda: ADOPTED.search(new_log()) is not None, bound, driver)
+    text = new_log()
+    ready = READY.search(text)
+    found = ADOPTED.search(text)
+    result["adoption_process_start_s"] = float(ready.group(1)) - spawned_wall if ready else None
+    result["adoption_s"] = float(found.group(1)) if adopted and found else None
+    result["adoption_driver_cpu_s"] = busy_seconds(proc.cpu_times())
+    result["adoption_connection_errors"] = sim.stats.connection_errors - errors  # refused while no driver ran
+    result["adoption_disowned"] = sim.stats.disowned - disowned  # workers the new driver did not take back
+    result["adoption_round"] = max(sim.assigned)  # no new round was formed: still 1
+    return driver
+
+
+def adoption_table(results: list[dict[str, Any]]) -> str:
+    rows = ["| workers | outage | process start -> imports done | driver start -> every adopted worker's first request "
+            "| new driver's CPU to then | refused connections in the outage | workers disowned | round after |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if "adoption_outage_s" in r:
+            rows.append(f"| {r['workers']} | {r['adoption_outage_s']:g} s | {fmt(r.get('adoption_process_start_s'))} s "
+                        f"| {fmt(r.get('adoption_s'))} s | {fmt(r.get('adoption_driver_cpu_s'))} s "
+                        f"| {r.get('adoption_connection_errors', '—')} | {r.get('adoption_disowned', '—')} "
+                        f"| {r.get('adoption_round', '—')} |")
+    return "\n".join(rows)
 
 
 GC_DEFAULTS = gc.get_threshold()
@@ -304,7 +387,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             for interval in args.heartbeat_intervals:
                 print(f"N = {n}, heartbeat interval {interval or 'default'} ...", file=sys.stderr, flush=True)
                 results.append(await run_one(n, args.steady, args.bound, workdir, interval,
-                                             args.store_patterns, args.gloo_max, args.simulator_gc))
+                                             args.store_patterns, args.gloo_max, args.simulator_gc,
+                                             args.outage if args.adoption else None))
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
     return results
 
@@ -346,6 +430,9 @@ def main() -> None:
                              "first round, young collections every 20,000 allocations: as 4,096 small "
                              "worker processes) or CPython's defaults (full collections over every "
                              "simulated worker at once)")
+    parser.add_argument("--adoption", action="store_true",
+                        help="restart the driver after the steady phase (--state-dir) and measure the adoption")
+    parser.add_argument("--outage", type=float, default=5.0, help="seconds without a driver (with --adoption)")
     parser.add_argument("--somaxconn", type=int,
                         help="raise the kernel's listen-queue cap (net.core.somaxconn, root) for the run")
     args = parser.parse_args()
@@ -355,6 +442,9 @@ def main() -> None:
     for r in results:
         r["somaxconn"] = somaxconn
     print(table(results))
+    if args.adoption:
+        print()
+        print(adoption_table(results))
     if args.out is not None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout)

@@ -187,6 +187,7 @@ class Driver:
         self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
         self._outages: list[str] = []
         self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
+        self._save_pacing = adoption.SavePacing()
         self._server: RendezvousServer | None = None
         self._processes: dict[str, WorkerProcess] = {}
         # The newest workers forgotten after a round formed, still flushed at the end.
@@ -450,15 +451,16 @@ class Driver:
                     # the survivors of a fault came back for by a whole tick.
                     missed = reg.changes != before_start
                     if dirty or reg.changes != seen:  # not after a pass on a timer alone
-                        self._save_state()
+                        self._save_pacing.changed()
                         saved_reports = reg.reports
                 elif now >= next_pass:
                     next_pass = now + decide_every
                     self._kill_wedged(now)  # O(N), but no views built: cheap at any N
                     self._enforce_exit_timeout(now)
-                if reg.reports != saved_reports:  # reports that needed no decision: kept once a tick
+                if reg.reports != saved_reports:  # reports that needed no decision: kept, paced as any change
                     saved_reports = reg.reports
-                    self._save_state()
+                    self._save_pacing.changed()
+                self._save_state_when_due(now)
                 self._gc.tick()  # every turn: a re-formation's hold on collections is bounded
                 if not missed:
                     reg.cond.wait(self._config.timeouts.tick)
@@ -832,13 +834,26 @@ class Driver:
 
     # ----- --state-dir ----------------------------------------------------------------
 
+    def _save_state_when_due(self, now: float) -> None:
+        """Save what decision passes changed, paced by the save's cost (``SavePacing``)."""
+        if self._keeping is None:
+            return
+        current = self._registry.round
+        key = (current.number if current else 0, self._registry.generation)
+        if self._save_pacing.due(now, key):
+            started = time.perf_counter()
+            self._save_state()
+            cost = time.perf_counter() - started + self._keeping.writer.last_write_s
+            self._save_pacing.saved(now, key, cost)
+
     def _save_state(self) -> None:
-        """Hand the job's state to the writer thread (after a decision pass: when it changed)."""
+        """Hand the job's state to the writer thread."""
         if self._keeping is None or self._server is None:
             return
         self._keeping.writer.submit(adoption.capture(
             self._address, self._server.port, self._registry, self._processes, self._target,
-            self._announced_for is not None, self._hosts, self._counters()))
+            self._announced_for is not None, self._hosts, self._counters(),
+            adoption.Waits(self._standby, tuple(self._held_until.items()), self._first_exit), self._clock()))
 
     def _counters(self) -> adoption.Counters:
         return adoption.Counters(self._next_worker, tuple(self._rounds), tuple(self._failures),
@@ -860,8 +875,15 @@ class Driver:
                          "workers find this driver through %s.", self._address, state.address,
                          keeping.dir.url_file)
         with self._registry.cond:
-            restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of)  # type: ignore[arg-type]
+            restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of,  # type: ignore[arg-type]
+                                        self._clock())
         self._processes.update(restored.processes)
+        # What the previous driver was waiting out: spares stay spares, a preempted slot
+        # keeps the rest of its hold, the workers after training returned the rest of
+        # their --exit-timeout.
+        self._standby = restored.waits.standby
+        self._held_until = dict(restored.waits.held_until)
+        self._first_exit = restored.waits.first_exit
         self._target = restored.target
         self._announced_for = membership.slots_of(self._target) if state.announced else None
         self._next_worker = state.next_worker

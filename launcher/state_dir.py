@@ -64,6 +64,7 @@ class WorkerEntry:
     finished: str = ""  # a member of the current round that has ended: its WorkerState
     leave: bool = False
     log_file: str = ""  # its --log-dir file, appended to by the next driver
+    standby: bool = False  # a hot spare (--spares): waits at the rendezvous, in no round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,29 @@ class BlacklistEntry:
     local_rank: int | None  # None: the whole host
     count: int
     remaining: float | None  # seconds of cooldown left when saved; None: for good
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotEntry:
+    host: str
+    local_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldEntry:
+    """A slot left on a preemption notice, kept for its worker's return a while longer."""
+
+    host: str
+    local_rank: int
+    remaining: float  # seconds of the hold left when saved
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstExitEntry:
+    """Training returned and this worker exited first: the others have --exit-timeout from then."""
+
+    worker_id: str
+    elapsed: float  # seconds since, when saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +136,10 @@ class JobState:
     departures: tuple[str, ...]
     outages: tuple[str, ...]  # one line per earlier driver restart
     saved_at: float  # wall clock
+    # What the driver was waiting out (absent from a state saved before they were kept).
+    standby: tuple[SlotEntry, ...] = ()  # the hot spares' slots (--spares)
+    holds: tuple[HoldEntry, ...] = ()
+    first_exit: FirstExitEntry | None = None
 
     def to_json(self) -> str:
         """By hand, not ``dataclasses.asdict`` (which deep-copies): 4,096 workers in ~0.1 s."""
@@ -119,8 +147,9 @@ class JobState:
         raw["round"] = _flat(self.round) if self.round else None
         raw["workers"] = [{**_flat(w), "assignment": _flat(w.assignment) if w.assignment else None}
                           for w in self.workers]
-        for key in ("target", "blacklist"):
+        for key in ("target", "blacklist", "standby", "holds"):
             raw[key] = [_flat(x) for x in raw[key]]
+        raw["first_exit"] = _flat(self.first_exit) if self.first_exit else None
         return json.dumps({"version": STATE_VERSION, **raw}, separators=(",", ":"))
 
     @classmethod
@@ -134,6 +163,9 @@ class JobState:
             for w in raw["workers"])
         raw["target"] = tuple(TargetEntry(**t) for t in raw["target"])
         raw["blacklist"] = tuple(BlacklistEntry(**b) for b in raw["blacklist"])
+        raw["standby"] = tuple(SlotEntry(**e) for e in raw.get("standby", ()))
+        raw["holds"] = tuple(HoldEntry(**e) for e in raw.get("holds", ()))
+        raw["first_exit"] = FirstExitEntry(**raw["first_exit"]) if raw.get("first_exit") else None
         for key in ("broken_rounds", "rounds", "failures", "blacklisted", "departures", "outages"):
             raw[key] = tuple(raw[key])
         return cls(**raw)
@@ -268,6 +300,7 @@ class StateWriter:
         self._pending: JobState | None = None
         self._closed = False
         self._failed = False
+        self.last_write_s = 0.0  # how long the last save took here (JSON + write): paces the next
         self._thread = threading.Thread(target=self._run, name="state-writer", daemon=True)
 
     def start(self) -> None:
@@ -298,7 +331,9 @@ class StateWriter:
                 closed = self._closed
             try:
                 if state is not None:
+                    started = time.perf_counter()
                     self._dir.save(state)
+                    self.last_write_s = time.perf_counter() - started
                 if time.monotonic() >= next_touch:
                     self._dir.touch_alive()
                     next_touch = time.monotonic() + ALIVE_EVERY

@@ -37,6 +37,18 @@ def backoff(attempt: int, rng: random.Random | None = None) -> float:
     return (rng or _RANDOM).uniform(0.0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt))
 
 
+# A failed heartbeat is retried within this (or the interval, if shorter): an adopting
+# driver (--state-dir) hears from every worker within it of listening again.
+HEARTBEAT_RETRY_CAP = 0.5
+
+
+def heartbeat_retry_delay(interval: float, failures: int, rng: random.Random | None = None) -> float:
+    """Seconds before a failed heartbeat is sent again (``failures`` in a row before it): at
+    a random point of a growing bound, at most HEARTBEAT_RETRY_CAP, so that a restarted
+    driver is found again within a second, by a fleet not all at once."""
+    return min(interval, HEARTBEAT_RETRY_CAP, backoff(failures, rng))
+
+
 def first_request_spread(world_size: int, rng: random.Random | None = None) -> float:
     """Seconds a worker waits before its first request, so that a fleet does not arrive at once."""
     return (rng or _RANDOM).uniform(0.0, max(0, world_size) / FIRST_REQUEST_SPREAD_RATE)
@@ -155,6 +167,7 @@ class DriverClient:
                 # next request goes where a restarted driver said it serves, if it did.
                 self._locator.refresh()
                 raise
+            self._locator.reached()  # our driver (whatever the status): a later outage re-reads at once
             if response.status_code != 200:
                 raise RendezvousError(
                     f"driver refused {path} ({response.status_code}): {response.text.strip()[:300]}"

@@ -24,7 +24,13 @@ import torch.distributed as dist
 
 from lightning_elastic import group_sockets
 from lightning_elastic import protocol as p
-from lightning_elastic.client import RETRY_FOR, DriverClient, backoff, first_request_spread, heartbeat_hold
+from lightning_elastic.client import (
+    RETRY_FOR,
+    DriverClient,
+    first_request_spread,
+    heartbeat_hold,
+    heartbeat_retry_delay,
+)
 from lightning_elastic.driver_locator import DriverLocator
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
@@ -50,9 +56,6 @@ log = logging.getLogger(__name__)
 # then the driver has declared it lost (a partition, or the driver is gone) and killed it
 # as far as it could, so lingering could only leave a stray process on its host.
 DRIVER_LOST_AFTER_TIMEOUTS = 2.0
-# A failed heartbeat is retried within this (or the interval, if shorter): an adopting
-# driver (--state-dir) hears from every worker within it of listening again.
-HEARTBEAT_RETRY_CAP = 0.5
 
 # wait_collective: how often a pending collective looks whether its round broke, and how
 # long it may stay pending once the round is known broken (the heartbeat has then cut the
@@ -108,11 +111,13 @@ class WorkerSettings:
     driver_patience: float = 0.0
     # --state-dir: the file a restarted driver writes its URL to (protocol.ENV_DRIVER_URL_FILE).
     driver_url_file: Path | None = None
+    world_size: int = 1  # at the start: bounds how often a fleet re-reads driver_url_file
     # Where the driver is now, shared by every client of this worker (built from the two above).
     locator: DriverLocator = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "locator", DriverLocator(self.driver_url, self.driver_url_file))
+        object.__setattr__(self, "locator", DriverLocator(self.driver_url, self.driver_url_file,
+                                                          world_size=self.world_size))
 
     @property
     def driver_lost_after(self) -> float:
@@ -144,11 +149,19 @@ class WorkerSettings:
                 cuda_device=int(environ[p.ENV_CUDA_DEVICE]) if environ.get(p.ENV_CUDA_DEVICE) else None,
                 driver_patience=float(environ.get(p.ENV_DRIVER_PATIENCE, "0")),
                 driver_url_file=Path(environ[p.ENV_DRIVER_URL_FILE]) if environ.get(p.ENV_DRIVER_URL_FILE) else None,
+                world_size=_int_or(environ.get("WORLD_SIZE"), 1),
             )
         except KeyError as err:
             raise RendezvousError(
                 f"environment variable {err.args[0]} is missing: start workers with lightning-elastic launch"
             ) from None
+
+
+def _int_or(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default
 
 
 def _driver_chose(environ: os._Environ | dict[str, str]) -> bool:
@@ -712,9 +725,7 @@ class ElasticWorker:
                     print(f"lightning-elastic: driver unreachable for {lost_after:g} s: exiting",
                           file=sys.stderr, flush=True)
                     os._exit(1)
-                # Retried at a random point of a growing bound, at most half a second: a
-                # restarted driver is found again within a second, by a fleet not all at once.
-                self._heartbeat_stop.wait(min(interval, HEARTBEAT_RETRY_CAP, backoff(failures)))
+                self._heartbeat_stop.wait(heartbeat_retry_delay(interval, failures))
                 failures += 1
                 continue
             failures = 0

@@ -121,7 +121,8 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "`--state-dir --driver-patience 6`: SIGKILL to the driver, never restarted",
      "every worker exits after the patience", "no process left"),
     ("test_driver_restart.py::test_restarted_driver_reattaches_to_workers_on_other_machines", "machines",
-     "`--state-dir`: SIGKILL to the driver (its ssh connections close), the same command again",
+     "`--state-dir`: SIGTERM to the driver (a hand-over: it closes its ssh connections and exits 0 within 5 s), "
+     "the same command again",
      "success in the same round on both hosts",
      f"{SAME}, no step run twice, exactly once, output of the outage forwarded"),
     ("test_driver_restart.py::test_lightning_fit_survives_a_driver_restart", "Lightning",

@@ -7,6 +7,11 @@ its ``WorkerLauncher`` is replaced: ``SimulatedLauncher`` asks the simulator (ov
 socket ``--control``) to start a worker, and learns from it when one exits, so every
 decision (rounds, heartbeats, verdicts) is the real driver's, over its real service.
 At the end it prints the job's result as one JSON line.
+
+With ``--state-dir`` it keeps the job there as ``launch --state-dir`` does; started again
+with the same directory (the previous one SIGKILLed) it adopts the simulated workers,
+which ran on meanwhile: ``SimulatedLauncher.adopt`` stands for the keeper or the ssh
+supervisor a real driver finds again.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import queue
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,11 +33,13 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.fleet.gc_pauses import GcPauses  # noqa: E402
 from lightning_elastic import protocol as p  # noqa: E402
+from lightning_elastic.launcher.adoption import StateKeeping  # noqa: E402
 from lightning_elastic.launcher.config import LaunchConfig, Timeouts  # noqa: E402
 from lightning_elastic.launcher.discovery import FixedHosts  # noqa: E402
 from lightning_elastic.launcher.driver import Driver  # noqa: E402
 from lightning_elastic.launcher.hosts import HostSlots  # noqa: E402
 from lightning_elastic.launcher.processes.base import WorkerSpec  # noqa: E402
+from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry  # noqa: E402
 
 
 class SimulatedLauncher:
@@ -38,10 +47,14 @@ class SimulatedLauncher:
 
     def __init__(self, control: socket.socket) -> None:
         self._control = control
-        self._send_lock = threading.Lock()
+        # Sent by a thread of its own: the simulator, busy with thousands of workers retrying
+        # an absent driver, reads its socket late, and the driver must not wait on it where
+        # a real launcher would not (adopting 4,096 local workers reads 4,096 /proc files).
+        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._processes: dict[str, SimulatedProcess] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self._read_exits, name="simulator-exits", daemon=True).start()
+        threading.Thread(target=self._send_all, name="simulator-control", daemon=True).start()
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> SimulatedProcess:
         process = SimulatedProcess(self, spec.worker_id)
@@ -53,9 +66,20 @@ class SimulatedLauncher:
                    "world_size": int(spec.env["WORLD_SIZE"])})
         return process
 
+    def adopt(self, entry: WorkerEntry, prefix: Callable[[], str]) -> SimulatedProcess:
+        """A worker the previous driver started: the simulator says at once if it has ended."""
+        process = SimulatedProcess(self, entry.worker_id)
+        with self._lock:
+            self._processes[entry.worker_id] = process
+        self.send({"op": "adopt", "worker_id": entry.worker_id})
+        return process
+
     def send(self, message: dict) -> None:
-        with self._send_lock:
-            self._control.sendall(json.dumps(message).encode() + b"\n")
+        self._outbox.put(json.dumps(message).encode() + b"\n")
+
+    def _send_all(self) -> None:
+        while True:
+            self._control.sendall(self._outbox.get())
 
     def _read_exits(self) -> None:
         for line in self._control.makefile("rb"):
@@ -107,18 +131,27 @@ def main() -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=Timeouts.heartbeat_timeout)
     parser.add_argument("--heartbeat-interval", type=float, help="default: the driver's own choice")
     parser.add_argument("--elastic-timeout", type=float, default=300.0)
+    parser.add_argument("--state-dir", type=Path, help="as launch --state-dir: a second start adopts the job")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="driver %(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    # The wall clock once the imports are done: the simulator subtracts the process's spawn.
+    logging.getLogger("fleet").info("driver process ready at %.3f", time.time())
     hosts = [HostSlots(f"sim-{i:04d}", args.slots_per_host)
              for i in range((args.workers + args.slots_per_host - 1) // args.slots_per_host)]
     config = LaunchConfig(
         command=("simulated",), np=args.workers, min_np=1, max_np=args.workers, hosts=tuple(hosts),
-        elastic_timeout=args.elastic_timeout,
+        elastic_timeout=args.elastic_timeout, state_dir=args.state_dir,
         timeouts=Timeouts(heartbeat_timeout=args.heartbeat_timeout, heartbeat_interval=args.heartbeat_interval),
     )
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     control.connect(args.control)
-    driver = Driver(config, FixedHosts(config.hosts), SimulatedLauncher(control), is_local=lambda _host: True)
+    launcher = SimulatedLauncher(control)
+    keeping = None
+    if args.state_dir is not None:
+        state_dir = StateDir(args.state_dir)
+        state_dir.lock()
+        keeping = StateKeeping(state_dir, adopt=launcher.adopt)
+    driver = Driver(config, FixedHosts(config.hosts), launcher, is_local=lambda _host: True, keeping=keeping)
     gc_pauses = GcPauses()
     result = driver.run()
     print(json.dumps({**dataclasses.asdict(result), "gc_pauses": gc_pauses.pauses}), flush=True)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_elastic import protocol as p
-from lightning_elastic.client import RETRY_FOR, backoff, first_request_spread, heartbeat_hold
+from lightning_elastic.client import RETRY_FOR, backoff, first_request_spread, heartbeat_hold, heartbeat_retry_delay
 
 
 
@@ -149,10 +149,11 @@ class SimulatedWorker:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._main_loop()), asyncio.create_task(self._heartbeat_loop())]
 
-    async def _post(self, conn: Connection, path: str, message: Any, reply_type: type, timeout: float) -> Any:
+    async def _post(self, conn: Connection, path: str, message: Any, reply_type: type, timeout: float,
+                    retry_for: float = RETRY_FOR) -> Any:
         """A request as ``DriverClient._post`` makes it: retried while the driver is unreachable."""
         body = p.to_json(message)
-        deadline = time.monotonic() + RETRY_FOR
+        deadline = time.monotonic() + retry_for
         attempt = 0
         while True:
             try:
@@ -206,16 +207,20 @@ class SimulatedWorker:
 
     async def _heartbeat_loop(self) -> None:
         first = True
+        failures = 0  # in a row
         while True:
             sent = time.monotonic()
             hold, first = heartbeat_hold(self._interval, first), False  # as ElasticWorker
             request = p.HeartbeatRequest(self.worker_id, self._known_generation, self._known_broken, hold)
             try:
+                # One attempt, retried by this loop as ElasticWorker's heartbeat thread does.
                 reply = await self._post(self._beat, p.PATH_HEARTBEAT, request, p.HeartbeatReply,
-                                         timeout=self._interval + 30)
+                                         timeout=self._interval + 30, retry_for=0.0)
             except DriverGone:
-                await asyncio.sleep(self._interval)
+                await asyncio.sleep(heartbeat_retry_delay(self._interval, failures))
+                failures += 1
                 continue
+            failures = 0
             took = time.monotonic() - sent
             changed = reply.generation > self._known_generation or reply.last_broken_round > self._known_broken
             if changed:
@@ -320,6 +325,13 @@ class Simulator:
                 worker.start()
                 asyncio.create_task(self._report_exit(worker))
                 self.worker_added.set()
+            elif message["op"] == "adopt":
+                # A restarted driver finds a worker again: one that ended meanwhile is
+                # reported ended at once, as a keeper's status file would say.
+                worker = self.workers.get(message["worker_id"])
+                if worker is None or worker.finished.is_set():
+                    status = -signal.SIGKILL if worker is None else worker.exit_status
+                    writer.write(json.dumps({"worker_id": message["worker_id"], "status": status}).encode() + b"\n")
             elif message["op"] == "signal":
                 worker = self.workers.get(message["worker_id"])
                 sig = message["signal"]

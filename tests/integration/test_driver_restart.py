@@ -201,10 +201,19 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.remote
 def test_restarted_driver_reattaches_to_workers_on_other_machines(job: Job, hosts) -> None:
-    """Over ssh: the connections close with the driver, the supervisors leave their workers
-    running, and the restarted driver re-attaches (output, signals, exit status)."""
+    """Over ssh, a SIGTERM hand-over (a Kubernetes pod replaced): the driver closes its ssh
+    connections and exits 0 at once, the supervisors leave their workers running, and the
+    next driver re-attaches (output, signals, exit status). The SIGKILL case over ssh is the
+    test below (the driver restarted on another machine)."""
     args, example, pids = start_over_ssh(job, hosts, epochs=8)
-    kill_driver(job)
+    assert job.proc is not None
+    sent = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(30) == 0, job.stderr()[-3000:]
+    assert time.monotonic() - sent < 5, "the hand-over took too long"
+    assert "lightning-elastic: job handed over: SIGTERM: the driver exited and left 2 worker(s) running" \
+        in job.stderr()
+    assert driver_events(job)[-1]["kind"] == "driver_handed_over"
     killed_at = max_step(job)
     wait_for(lambda: max_step(job) >= killed_at + 10, 30, "steps while no driver runs")
     start_again(job, "restart", args, example)

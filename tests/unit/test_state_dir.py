@@ -311,3 +311,51 @@ def test_an_adopting_driver_refuses_requests_signed_before_it_started():
                                  headers=sign(p.PATH_HEARTBEAT, body, timestamp=stamp)).status_code == 200
     finally:
         srv.close()
+
+
+def test_saves_are_paced_by_their_cost_except_when_the_round_changes():
+    """At 4,096 workers a save costs ~0.15 s: after every pass it starved the service."""
+    pacing = adoption.SavePacing(share=0.1)
+    assert not pacing.due(0.0, (1, 0))  # nothing changed: nothing to save
+    pacing.changed()
+    assert pacing.due(0.0, (1, 0))
+    pacing.saved(0.0, (1, 0), cost=0.05)  # the next one no sooner than 0.5 s later
+    pacing.changed()
+    assert not pacing.due(0.2, (1, 0))
+    assert pacing.due(0.5, (1, 0))  # still due: the loop saves it on a later turn
+    # A new round (or generation) is saved at once: a restart must not adopt the one before.
+    assert pacing.due(0.2, (2, 0)) and pacing.due(0.2, (1, 1))
+    pacing.saved(0.2, (2, 0), cost=0.0001)
+    pacing.changed()
+    assert pacing.due(0.2011, (2, 0))  # cheap saves (tens of workers): after every pass
+
+
+def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
+    """A restart must not turn a hot spare into a member, end a preempted slot's hold early,
+    or give the workers after training returned a new --exit-timeout."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    spare = reg.workers["a[1]#2"]
+    spare.standby = True
+    waits = adoption.Waits(standby=(SlotKey("a", 1),),
+                           held_until=((SlotKey("b", 0), 105.0), (SlotKey("a", 0), 99.0)),  # the second is over
+                           first_exit=(90.0, "a[0]#0"))
+    state = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts,
+                             adoption.Counters(3, (), (), (), (), ()), waits, now=100.0)
+    directory = StateDir(tmp_path / "state")
+    directory.lock()
+    directory.save(state)
+    loaded = directory.load()
+    assert loaded == state
+    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
+    with new_reg.cond:
+        restored = adoption.restore(loaded, new_reg, new_hosts, lambda entry, prefix: LostProcess(),
+                                    lambda record: lambda: "", now=500.0)  # another clock
+    assert restored.waits == adoption.Waits(standby=(SlotKey("a", 1),), held_until=((SlotKey("b", 0), 505.0),),
+                                            first_exit=(490.0, "a[0]#0"))
+    assert new_reg.workers["a[1]#2"].standby and not new_reg.workers["a[0]#0"].standby
+    # A state saved before these were kept still loads: nothing waited out.
+    raw = json.loads(state.to_json())
+    for key in ("standby", "holds", "first_exit"):
+        del raw[key]
+    old = JobState.from_json(json.dumps(raw))
+    assert (old.standby, old.holds, old.first_exit) == ((), (), None)
