@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -177,6 +179,8 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     first = pids_of(job)
     newest = manifests(snapshots)[-1]
     assert newest["kind"] == "lightning"
+    # Kept for plain DDP below (the relaunch prunes its directory to the last two).
+    kept = Path(shutil.copy(snapshots / f"snapshot-{newest['sequence']}.pt", job.dir / "kept.pt"))
 
     again = relaunch(job, "again")
     lit.start(again, launch, step_delay=0.0)
@@ -195,6 +199,27 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     for epoch in (0, 1):
         seen = [i for records in history.values() for r in records if r["epoch"] == epoch for i in r["indices"]]
         assert sorted(seen) == list(range(lit.SAMPLES)), f"epoch {epoch}: not exactly once"
+
+    # Outside the launcher, plain DDP (two processes, gloo) goes on from the same snapshot:
+    # every rank starts from its weights at its step, and the fit ends at the same step count.
+    synced_checksum = {e["checksum"] for e in resumed}
+    events = job.dir / "ddp-events"
+    plain = subprocess.run(
+        [sys.executable, str(lit.EXAMPLE), "--strategy", "ddp", "--devices", "2", "--ckpt-path", str(kept),
+         "--events", str(events), "--log-dir", str(job.dir / "ddp-logs"), "--samples", str(lit.SAMPLES),
+         "--batch-size", str(lit.BATCH), "--epochs", str(lit.EPOCHS), "--lr", str(lit.LR)],
+        cwd=job.dir, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ELASTIC_")})
+    records = [json.loads(line) for path in events.glob("*.jsonl") for line in path.read_text().splitlines()]
+    by_kind = {kind: [r for r in records if r["kind"] == kind] for kind in ("synced", "step", "done")}
+    assert len(by_kind["done"]) == 2, plain.stderr[-3000:]
+    assert lit.ddp_ended_well(plain), plain.stderr[-3000:]
+    assert [(r["rank"], r["size"], r["step"]) for r in sorted(by_kind["synced"], key=lambda r: r["rank"])] == \
+        [(0, 2, newest["step"]), (1, 2, newest["step"])]
+    assert {r["checksum"] for r in by_kind["synced"]} == synced_checksum  # the snapshot's weights
+    assert min(r["step"] for r in by_kind["step"]) == newest["step"] + 1
+    assert {r["step"] for r in by_kind["done"]} == {2 * per_epoch}
+    assert len({r["checksum"] for r in by_kind["done"]}) == 1, "plain DDP replicas differ"
 
 
 @pytest.mark.timeout(120)
