@@ -303,6 +303,25 @@ def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path,
     assert no_resume is not None and no_resume.found is None and files.ENV_RESUME_FROM not in no_resume.env
 
 
+def test_a_snapshot_of_another_version_or_format_is_said_in_one_line(tmp_path, caplog):
+    from lightning_elastic.launcher import snapshots
+    from lightning_elastic.launcher.events import EventLog
+
+    write_three(tmp_path)
+    newest, previous = tmp_path / "snapshot-3.json", tmp_path / "snapshot-2.json"
+    newest.write_text(json.dumps({**json.loads(newest.read_text()), "format": files.FORMAT + 1}))
+    previous.write_text(json.dumps({**json.loads(previous.read_text()), "library": "0.0.1"}))
+    with caplog.at_level(logging.INFO, logger="lightning_elastic"):
+        resume = snapshots.choose(SnapshotSettings(tmp_path), ("python", "train.py"), EventLog(None))
+    assert resume is not None and resume.found is not None and resume.found.manifest.step == 2
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    refused = [m for m in said if "snapshot-3.json" in m]
+    older = [m for m in said if "written by lightning-elastic 0.0.1" in m]
+    assert len(refused) == 1 and "snapshot format" in refused[0], said  # a newer format: skipped
+    assert len(older) == 1 and f"this is {le.__version__}" in older[0], said  # an older version: resumed, said
+    assert all("\n" not in m for m in said)
+
+
 def test_a_failure_of_the_same_kind_is_said_once_whatever_file_it_names(tmp_path, caplog, monkeypatch):
     def refuse(path, fill):
         raise OSError(30, "Read-only file system", str(path))
