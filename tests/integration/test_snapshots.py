@@ -222,6 +222,40 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     assert len({r["checksum"] for r in by_kind["done"]}) == 1, "plain DDP replicas differ"
 
 
+def test_a_killed_fabric_job_resumes_from_its_snapshot_with_no_change_to_its_loop(job: Job) -> None:
+    """``examples/fabric_loop.py`` (``le.FabricState`` in ``@le.run``) run with
+    ``--snapshot-dir`` and nothing else: killed whole mid-epoch, the same command again."""
+    import lightning_elastic as le
+    from tests.integration import test_fabric as fab
+
+    snapshots = job.dir / "snapshots"
+    launch = ["-np", "2", "-H", f"{H1},{H2}", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.2"]
+    command = [sys.executable, str(fab.EXAMPLE), "--events", str(job.events_dir), "--samples", "192",
+               "--batch-size", "8", "--epochs", "2", "--commit-every", "2", "--step-delay", "0.1"]
+    job.start(launch, command=command)
+    snapshot = wait_for(lambda: mid_epoch_snapshot(snapshots, 14) or job._ended(), 90, "a mid-epoch snapshot")
+    assert isinstance(snapshot, dict), job.stderr()[-3000:]
+    kill_everything(job)
+    first = pids_of(job)
+    assert not [e for e in job.events("done") if e["pid"] in first], "the job ended before it was killed"
+    newest = manifests(snapshots)[-1]
+    saved = le.load_snapshot(snapshots / f"snapshot-{newest['sequence']}.pt")  # checksum verified
+
+    again = relaunch(job, "again")
+    again.start(launch, command=command)
+    assert again.wait(90) == 0, again.stderr()[-3000:]
+    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % newest['sequence'])}" in again.stderr()
+    synced = [e for e in again.events("synced") if e["pid"] not in first]
+    assert {(e["step"], e["epoch"]) for e in synced} == {(newest["step"], newest["epoch"])} and len(synced) == 2
+    # Both ranks resumed with the snapshot's parameters (the example's checksum of them).
+    weights = float(sum(t.double().sum() for t in saved["model"].values()))
+    assert {e["checksum"] for e in synced} == {weights}
+    # The epoch's samples seen before the snapshot ride in the state: each epoch whole, once.
+    assert_epochs_complete(again, 2)
+    done = [e for e in again.events("done") if e["pid"] not in first]
+    assert len(done) == 2 and len({e["checksum"] for e in done}) == 1 and {e["step"] for e in done} == {24}
+
+
 @pytest.mark.timeout(120)
 def test_a_job_killed_whole_resumes_from_its_newest_snapshot_in_an_object_store(job: Job) -> None:
     """``--snapshot-dir s3://bucket/job``: the same kill and relaunch as above, with the
