@@ -123,6 +123,31 @@ def test_a_read_only_directory_fails_the_write_not_the_job(tmp_path):
         tmp_path.chmod(0o700)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_file_system_fails_the_write_leaves_nothing_and_the_next_fits(tmp_path, caplog):
+    import subprocess  # noqa: PLC0415
+
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(full)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        snapshot, writer = HostSnapshot(), writer_for(full)
+        with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+            snapshot.capture(tree(1, size=200_000))  # 800 kB of tensors: more than the file system holds
+            assert writer.offer(snapshot, info(1)) and writer.wait(10)
+            assert writer.stats.failed == 1 and "No space left on device" in writer.stats.last_error
+            assert list(full.iterdir()) == []  # the partial temporary file removed
+            assert "Could not write a snapshot" in caplog.text
+            snapshot.capture(tree(2, size=1000))  # training went on; a smaller state fits
+            assert writer.offer(snapshot, info(2)) and writer.wait(10)
+        assert writer.stats.written == 1 and sorted(p.name for p in full.iterdir()) == ["snapshot-1.json", "snapshot-1.pt"]
+        assert le.load_snapshot(full)["values"] == {"step": 2}
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
+
+
 def write_three(directory) -> None:
     snapshot, writer = HostSnapshot(), writer_for(directory, keep=3)
     for step in (1, 2, 3):
