@@ -167,7 +167,12 @@ class ObjectState(State):
         if found is None:
             return None
         tree = snapshot_store.read_tree(found.path)
-        self.load_tree(tree, str(found.path))
+        try:
+            self.load_tree(tree, str(found.path))
+        except snapshot_store.SnapshotError as err:
+            # The job cannot go on from it; say how to start over instead.
+            raise snapshot_store.SnapshotError(
+                f"{err}; to start over instead: --no-resume (or resume=False), or another --snapshot-dir") from None
         m = found.manifest
         log.info("Resuming from snapshot %s: step %d, epoch %d, written at world size %d (now %d).",
                  found.path, m.step, m.epoch, m.world_size, worker.assignment.size)

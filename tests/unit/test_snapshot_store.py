@@ -258,6 +258,25 @@ def test_rank_0_writes_its_commits_and_a_new_job_resumes_from_them_with_the_rese
     assert resumed.step == 7  # the snapshot is the commit a failure goes back to
 
 
+def test_resuming_from_a_snapshot_of_another_model_is_one_line_saying_how_to_start_over(tmp_path):
+    from lightning_elastic.runner import _StateRecovery
+    from lightning_elastic.snapshot_store import ResumePlan
+    from tests.unit.fakes import FakeWorker
+
+    worker = FakeWorker(rank=0, size=1)
+    worker.snapshot_writer = writer_for(tmp_path)
+    make_state(worker).commit()
+    assert worker.snapshot_writer.wait(10)
+    fresh = FakeWorker(rank=0, size=1)
+    fresh.resume_from = ResumePlan(tmp_path / "snapshot-1.pt", tmp_path)
+    other = le.TorchState(torch.nn.Linear(5, 2), worker=fresh, step=0)
+    with pytest.raises(SnapshotError) as err:
+        _StateRecovery(other, lambda: None).prepare(resumed=False)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"{tmp_path / 'snapshot-1.pt'}: does not fit this state")
+    assert "size mismatch" in text and text.endswith("--no-resume (or resume=False), or another --snapshot-dir")
+
+
 def test_a_rank_other_than_0_never_writes(tmp_path):
     from tests.unit.fakes import FakeWorker
 
