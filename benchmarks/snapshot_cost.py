@@ -5,9 +5,11 @@
 
 Each variant of workloads/snapshot_cost.py runs in a process of its own (its peak RSS is
 its own), trials interleaved (trial 1 of every variant, then trial 2, ...). Then the time
-from a process's start to its first step: resuming from the snapshot the ``snapshot``
-variant left, and starting afresh (an empty directory) for reference. Prints a Markdown
-table; writes every trial's raw numbers to ``--out``.
+to the first step: from a process's start, resuming from the snapshot the ``snapshot``
+variant left and starting afresh (an empty directory) for reference; and from the start of
+a new ``lightning-elastic launch -np 1 --snapshot-dir`` (the driver picks the snapshot and
+verifies its checksum before the worker starts; the worker loads it), resuming and afresh.
+Prints a Markdown table; writes every trial's raw numbers to ``--out``.
 """
 
 from __future__ import annotations
@@ -23,13 +25,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "workloads" / "snapshot_cost.py"
+LAUNCHER = Path(sys.executable).parent / "lightning-elastic"
 VARIANTS = ("none", "snapshot", "torch_save", "dcp_async")
+RESUMES = ("resume", "fresh", "launch_resume", "launch_fresh")
 
 
-def run(variant: str, args: argparse.Namespace, directory: Path, out: Path) -> dict:
+def run(variant: str, args: argparse.Namespace, directory: Path, out: Path, launch: bool = False) -> dict:
+    """One workload process; with ``launch``, started by a new launch of one worker whose
+    ``--snapshot-dir`` is ``directory`` (``--t0`` is then the launch's start)."""
     command = [sys.executable, str(WORKLOAD), "--variant", variant, "--model", args.model, "--seconds",
                str(args.seconds), "--every", str(args.every), "--dir", str(directory), "--out", str(out),
                "--t0", repr(time.time())]
+    if launch:
+        command = [str(LAUNCHER), "launch", "-np", "1", "-H", "127.0.0.1:1", "--snapshot-dir", str(directory),
+                   "--snapshot-every", str(args.every), *command]
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds * 10 + 300,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     if done.returncode != 0:
@@ -46,7 +55,7 @@ def main() -> None:
     parser.add_argument("--resume-trials", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {v: [] for v in (*VARIANTS, "resume", "fresh")}
+    results: dict[str, list[dict]] = {v: [] for v in (*VARIANTS, *RESUMES)}
     with tempfile.TemporaryDirectory(prefix="snapshot-cost-") as tmp:
         root = Path(tmp)
         for t in range(args.trials):
@@ -58,6 +67,9 @@ def main() -> None:
         for t in range(args.resume_trials):
             results["resume"].append(run("resume", args, snapshots, root / f"resume-{t}.json"))
             results["fresh"].append(run("resume", args, root / f"empty-{t}", root / f"fresh-{t}.json"))
+            results["launch_resume"].append(run("resume", args, snapshots, root / f"launch-resume-{t}.json", True))
+            results["launch_fresh"].append(run("resume", args, root / f"launch-empty-{t}",
+                                               root / f"launch-fresh-{t}.json", True))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1))
     print(report(results))
@@ -79,11 +91,16 @@ def report(results: dict[str, list[dict]]) -> str:
             rows.append(f"| {variant}{extra} | {len(s)} | {statistics.median(s) * 1000:.0f} ms | "
                         f"{statistics.mean(s) * 1000:.0f} ms | {max(s) * 1000:.0f} ms | {ratio:.3f} | {saves} s | "
                         f"{r['peak_rss_mb']:.0f} MB |")
-    for name in ("resume", "fresh"):
-        ok = [r for r in results[name] if r.get("to_first_step_s") is not None]
+    for name in RESUMES:
+        for r in results.get(name, []):
+            if "error" in r:
+                rows.append(f"\nStart to first step, {name}: FAILED: {r['error'].strip().splitlines()[-1][:80]}")
+        ok = [r for r in results.get(name, []) if r.get("to_first_step_s") is not None]
         if ok:
             times = ", ".join(f"{r['to_first_step_s']:.2f}" for r in ok)
-            rows.append(f"\nStart to first step, {name} (resumed at step {ok[0].get('resumed_step')}): {times} s")
+            peak = max(r["peak_rss_mb"] for r in ok)
+            rows.append(f"\nStart to first step, {name} (resumed at step {ok[0].get('resumed_step')}): {times} s; "
+                        f"worker peak RSS {peak:.0f} MB")
     return "\n".join(rows)
 
 

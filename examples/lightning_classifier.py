@@ -6,6 +6,9 @@ Run it alone, elastically, or with plain DDP for comparison:
     lightning-elastic launch -np 2 -H 127.0.0.1:1,127.0.0.2:1 python examples/lightning_classifier.py
     python examples/lightning_classifier.py --strategy ddp --devices 2
 
+A snapshot an elastic run wrote (``--snapshot-dir``) is a Lightning checkpoint: plain DDP goes
+on from it with ``--strategy ddp --devices 2 --ckpt-path DIR/snapshot-N.pt``.
+
 The data set is generated (three interleaved spirals, 2-D points, 3 classes); the model is
 an MLP trained with AdamW and a StepLR schedule, its LR scaled with the world size. The script
 needs no import for the strategy name under the launcher; it imports lightning_elastic
@@ -48,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fail-at-step", type=int, default=-1, help="raise ValueError in training_step at this step (first round only)")
     parser.add_argument("--fail-rank", type=int, default=-1, help="rank that raises (-1: every rank)")
     parser.add_argument("--progress-bar", action="store_true")
+    parser.add_argument("--ckpt-path", help="resume the fit from this Lightning checkpoint (an elastic snapshot is one)")
     # Fault injection for the chaos tests (docs/reliability.md).
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--start-delay", type=float, default=0.0,
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         log_every_n_steps=5,
     )
     events.emit("start", trainer)
-    trainer.fit(model, datamodule=SpiralData(args.samples, args.batch_size))
+    trainer.fit(model, datamodule=SpiralData(args.samples, args.batch_size), ckpt_path=args.ckpt_path)
     optimizer = trainer.optimizers[0]
     state = next(iter(optimizer.state.values()), {})
     events.emit(

@@ -154,12 +154,19 @@ class HashingWriter:
         self._file = file
         self._hash = hashlib.sha256()
         self.size = 0
+        # The file's own error: torch.save's C++ writer reports a failed write as
+        # "unexpected pos ..." (a full disk among them), which names no cause.
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._hash.update(view)
         self.size += len(view)
-        return self._file.write(view)
+        try:
+            return self._file.write(view)
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def flush(self) -> None:
         self._file.flush()

@@ -240,7 +240,12 @@ class SnapshotWriter:
 
         def fill(f: Any) -> None:
             writer = box["w"] = files.HashingWriter(f)
-            torch.save(tree, writer)
+            try:
+                torch.save(tree, writer)
+            except RuntimeError:
+                if writer.error is not None:
+                    raise writer.error from None  # "No space left on device", not torch's "unexpected pos"
+                raise
 
         directory.write(f"snapshot-{sequence}.pt", fill)  # atomically: see snapshot_fs
         library, torch_version = _versions()

@@ -167,14 +167,18 @@ class ObjectState(State):
         if found is None:
             return None
         tree = snapshot_store.read_tree(found.path)
-        self.load_tree(tree, str(found.path))
+        # The job cannot go on from a snapshot that does not fit: say how to start over
+        # (before the details, which the driver's one line may cut short).
+        self.load_tree(tree, str(found.path),
+                       hint="to start over instead: --no-resume (or resume=False), or another --snapshot-dir")
         m = found.manifest
         log.info("Resuming from snapshot %s: step %d, epoch %d, written at world size %d (now %d).",
                  found.path, m.step, m.epoch, m.world_size, worker.assignment.size)
         return found.name
 
-    def load_tree(self, tree: Any, where: str = "the snapshot") -> None:
-        """Make ``tree`` (what ``le.load_snapshot`` returns) the live state and the commit."""
+    def load_tree(self, tree: Any, where: str = "the snapshot", hint: str = "") -> None:
+        """Make ``tree`` (what ``le.load_snapshot`` returns) the live state and the commit;
+        ``hint``: what to do instead, said in the error if it does not fit."""
         if self._snapshot_kind == "fabric" and isinstance(tree, dict) and "values" not in tree:
             tree = snapshot_store.unflatten(tree, set(self._stateful_objects()))
         if not isinstance(tree, dict) or not isinstance(tree.get("values"), dict):
@@ -193,8 +197,8 @@ class ObjectState(State):
             if previous is not None:  # load_state_dict copies what fits before it raises
                 self._snapshot.capture(previous.tree())
                 self.restore()
-            raise snapshot_store.SnapshotError(
-                f"{where}: does not fit this state (another model?): {first} {detail}".strip()) from None
+            said = f"{where}: does not fit this state (another model?{'; ' + hint if hint else ''})"
+            raise snapshot_store.SnapshotError(f"{said}: {first} {detail}".strip()) from None
 
     def restore(self) -> None:
         committed = self._snapshot.committed()

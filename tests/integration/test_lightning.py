@@ -215,8 +215,12 @@ def test_plain_ddp_run_is_unaffected_by_importing_lightning_elastic(tmp_path: Pa
     )
     done = [line for path in (tmp_path / "events").glob("*.jsonl") for line in path.read_text().splitlines() if '"done"' in line]
     assert len(done) == 2, result.stderr[-3000:]
-    # Lightning's ddp itself (torch 2.13, gloo) aborts now and then after the fit, at
-    # interpreter exit: 1 of 6 runs of this command without --import-lightning-elastic.
-    # That abort, after both ranks finished training, is not this package's doing.
+    assert ddp_ended_well(result), result.stderr[-3000:]
+
+
+def ddp_ended_well(result: subprocess.CompletedProcess[str]) -> bool:
+    """Exit status 0, or the abort Lightning's plain ddp itself (torch 2.13, gloo) makes now
+    and then at interpreter exit, after the fit: 1 of 6 runs of the example with ``--strategy
+    ddp`` without lightning_elastic imported. Callers check first that both ranks finished."""
     exit_abort = result.returncode == -6 and result.stderr.rstrip().endswith("terminate called without an active exception")
-    assert result.returncode == 0 or exit_abort, result.stderr[-3000:]
+    return result.returncode == 0 or exit_abort

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -177,6 +179,8 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     first = pids_of(job)
     newest = manifests(snapshots)[-1]
     assert newest["kind"] == "lightning"
+    # Kept for plain DDP below (the relaunch prunes its directory to the last two).
+    kept = Path(shutil.copy(snapshots / f"snapshot-{newest['sequence']}.pt", job.dir / "kept.pt"))
 
     again = relaunch(job, "again")
     lit.start(again, launch, step_delay=0.0)
@@ -195,6 +199,61 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     for epoch in (0, 1):
         seen = [i for records in history.values() for r in records if r["epoch"] == epoch for i in r["indices"]]
         assert sorted(seen) == list(range(lit.SAMPLES)), f"epoch {epoch}: not exactly once"
+
+    # Outside the launcher, plain DDP (two processes, gloo) goes on from the same snapshot:
+    # every rank starts from its weights at its step, and the fit ends at the same step count.
+    synced_checksum = {e["checksum"] for e in resumed}
+    events = job.dir / "ddp-events"
+    plain = subprocess.run(
+        [sys.executable, str(lit.EXAMPLE), "--strategy", "ddp", "--devices", "2", "--ckpt-path", str(kept),
+         "--events", str(events), "--log-dir", str(job.dir / "ddp-logs"), "--samples", str(lit.SAMPLES),
+         "--batch-size", str(lit.BATCH), "--epochs", str(lit.EPOCHS), "--lr", str(lit.LR)],
+        cwd=job.dir, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ELASTIC_")})
+    records = [json.loads(line) for path in events.glob("*.jsonl") for line in path.read_text().splitlines()]
+    by_kind = {kind: [r for r in records if r["kind"] == kind] for kind in ("synced", "step", "done")}
+    assert len(by_kind["done"]) == 2, plain.stderr[-3000:]
+    assert lit.ddp_ended_well(plain), plain.stderr[-3000:]
+    assert [(r["rank"], r["size"], r["step"]) for r in sorted(by_kind["synced"], key=lambda r: r["rank"])] == \
+        [(0, 2, newest["step"]), (1, 2, newest["step"])]
+    assert {r["checksum"] for r in by_kind["synced"]} == synced_checksum  # the snapshot's weights
+    assert min(r["step"] for r in by_kind["step"]) == newest["step"] + 1
+    assert {r["step"] for r in by_kind["done"]} == {2 * per_epoch}
+    assert len({r["checksum"] for r in by_kind["done"]}) == 1, "plain DDP replicas differ"
+
+
+def test_a_killed_fabric_job_resumes_from_its_snapshot_with_no_change_to_its_loop(job: Job) -> None:
+    """``examples/fabric_loop.py`` (``le.FabricState`` in ``@le.run``) run with
+    ``--snapshot-dir`` and nothing else: killed whole mid-epoch, the same command again."""
+    import lightning_elastic as le
+    from tests.integration import test_fabric as fab
+
+    snapshots = job.dir / "snapshots"
+    launch = ["-np", "2", "-H", f"{H1},{H2}", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.2"]
+    command = [sys.executable, str(fab.EXAMPLE), "--events", str(job.events_dir), "--samples", "192",
+               "--batch-size", "8", "--epochs", "2", "--commit-every", "2", "--step-delay", "0.1"]
+    job.start(launch, command=command)
+    snapshot = wait_for(lambda: mid_epoch_snapshot(snapshots, 14) or job._ended(), 90, "a mid-epoch snapshot")
+    assert isinstance(snapshot, dict), job.stderr()[-3000:]
+    kill_everything(job)
+    first = pids_of(job)
+    assert not [e for e in job.events("done") if e["pid"] in first], "the job ended before it was killed"
+    newest = manifests(snapshots)[-1]
+    saved = le.load_snapshot(snapshots / f"snapshot-{newest['sequence']}.pt")  # checksum verified
+
+    again = relaunch(job, "again")
+    again.start(launch, command=command)
+    assert again.wait(90) == 0, again.stderr()[-3000:]
+    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % newest['sequence'])}" in again.stderr()
+    synced = [e for e in again.events("synced") if e["pid"] not in first]
+    assert {(e["step"], e["epoch"]) for e in synced} == {(newest["step"], newest["epoch"])} and len(synced) == 2
+    # Both ranks resumed with the snapshot's parameters (the example's checksum of them).
+    weights = float(sum(t.double().sum() for t in saved["model"].values()))
+    assert {e["checksum"] for e in synced} == {weights}
+    # The epoch's samples seen before the snapshot ride in the state: each epoch whole, once.
+    assert_epochs_complete(again, 2)
+    done = [e for e in again.events("done") if e["pid"] not in first]
+    assert len(done) == 2 and len({e["checksum"] for e in done}) == 1 and {e["step"] for e in done} == {24}
 
 
 @pytest.mark.timeout(120)

@@ -123,6 +123,31 @@ def test_a_read_only_directory_fails_the_write_not_the_job(tmp_path):
         tmp_path.chmod(0o700)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_file_system_fails_the_write_leaves_nothing_and_the_next_fits(tmp_path, caplog):
+    import subprocess  # noqa: PLC0415
+
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(full)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        snapshot, writer = HostSnapshot(), writer_for(full)
+        with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+            snapshot.capture(tree(1, size=200_000))  # 800 kB of tensors: more than the file system holds
+            assert writer.offer(snapshot, info(1)) and writer.wait(10)
+            assert writer.stats.failed == 1 and "No space left on device" in writer.stats.last_error
+            assert list(full.iterdir()) == []  # the partial temporary file removed
+            assert "Could not write a snapshot" in caplog.text
+            snapshot.capture(tree(2, size=1000))  # training went on; a smaller state fits
+            assert writer.offer(snapshot, info(2)) and writer.wait(10)
+        assert writer.stats.written == 1 and sorted(p.name for p in full.iterdir()) == ["snapshot-1.json", "snapshot-1.pt"]
+        assert le.load_snapshot(full)["values"] == {"step": 2}
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
+
+
 def write_three(directory) -> None:
     snapshot, writer = HostSnapshot(), writer_for(directory, keep=3)
     for step in (1, 2, 3):
@@ -233,6 +258,28 @@ def test_rank_0_writes_its_commits_and_a_new_job_resumes_from_them_with_the_rese
     assert resumed.step == 7  # the snapshot is the commit a failure goes back to
 
 
+def test_resuming_from_a_snapshot_of_another_model_is_one_line_saying_how_to_start_over(tmp_path):
+    from lightning_elastic.runner import _StateRecovery
+    from lightning_elastic.snapshot_store import ResumePlan
+    from tests.unit.fakes import FakeWorker
+
+    worker = FakeWorker(rank=0, size=1)
+    worker.snapshot_writer = writer_for(tmp_path)
+    make_state(worker).commit()
+    assert worker.snapshot_writer.wait(10)
+    fresh = FakeWorker(rank=0, size=1)
+    fresh.resume_from = ResumePlan(tmp_path / "snapshot-1.pt", tmp_path)
+    other = le.TorchState(torch.nn.Linear(5, 2), worker=fresh, step=0)
+    with pytest.raises(SnapshotError) as err:
+        _StateRecovery(other, lambda: None).prepare(resumed=False)
+    text = str(err.value)
+    # The way out first: the driver's report of a worker's error keeps its first 500 characters.
+    assert "\n" not in text and text.startswith(
+        f"{tmp_path / 'snapshot-1.pt'}: does not fit this state (another model?; to start over instead: --no-resume "
+        "(or resume=False), or another --snapshot-dir): ")
+    assert "size mismatch" in text
+
+
 def test_a_rank_other_than_0_never_writes(tmp_path):
     from tests.unit.fakes import FakeWorker
 
@@ -301,6 +348,25 @@ def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path,
     assert [e["step"] for e in logged if e["kind"] == "resumed_from_snapshot"] == [2]
     no_resume = snapshots.choose(SnapshotSettings(tmp_path / "s", resume=False), ("python",), EventLog(None))
     assert no_resume is not None and no_resume.found is None and files.ENV_RESUME_FROM not in no_resume.env
+
+
+def test_a_snapshot_of_another_version_or_format_is_said_in_one_line(tmp_path, caplog):
+    from lightning_elastic.launcher import snapshots
+    from lightning_elastic.launcher.events import EventLog
+
+    write_three(tmp_path)
+    newest, previous = tmp_path / "snapshot-3.json", tmp_path / "snapshot-2.json"
+    newest.write_text(json.dumps({**json.loads(newest.read_text()), "format": files.FORMAT + 1}))
+    previous.write_text(json.dumps({**json.loads(previous.read_text()), "library": "0.0.1"}))
+    with caplog.at_level(logging.INFO, logger="lightning_elastic"):
+        resume = snapshots.choose(SnapshotSettings(tmp_path), ("python", "train.py"), EventLog(None))
+    assert resume is not None and resume.found is not None and resume.found.manifest.step == 2
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    refused = [m for m in said if "snapshot-3.json" in m]
+    older = [m for m in said if "written by lightning-elastic 0.0.1" in m]
+    assert len(refused) == 1 and "snapshot format" in refused[0], said  # a newer format: skipped
+    assert len(older) == 1 and f"this is {le.__version__}" in older[0], said  # an older version: resumed, said
+    assert all("\n" not in m for m in said)
 
 
 def test_a_failure_of_the_same_kind_is_said_once_whatever_file_it_names(tmp_path, caplog, monkeypatch):
