@@ -317,6 +317,17 @@ def test_a_port_in_use_is_one_documented_line_with_exit_status_2(workdir: Path) 
     assert_documented(line)
 
 
+def test_two_host_sources_on_the_command_line_are_refused_by_the_parser(workdir: Path) -> None:
+    # argparse's own refusal: its usage, then one error line. The configuration's "give exactly
+    # one host source" is never what the command line prints (issue 26 item 8).
+    run = cli(workdir, "launch", "-H", "localhost:1", "--hostfile", "hosts", PYTHON, "-c", "pass", timeout=60)
+    line = Line("lightning-elastic launch: error: argument {option}: not allowed with argument {other}",
+                {"option": "--hostfile", "other": "-H/--hosts"})
+    assert (run.code, run.lines[0].startswith("usage: "), run.lines[-1]) == (2, True, line.text), run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+    assert_documented(line)
+
+
 def test_version() -> None:
     done = subprocess.run([str(LAUNCHER), "--version"], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, "lightning-elastic 0.1.0\n", "")

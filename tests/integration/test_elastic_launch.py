@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 
@@ -226,12 +227,16 @@ def test_reset_limit_exceeded_fails_the_job(job: Job) -> None:
 
 def test_below_min_np_past_elastic_timeout_fails_the_job(job: Job) -> None:
     job.set_hosts(H1, H2)
-    job.start(discovery_args(job, "-np", "2", "--elastic-timeout", "3"), [*STEADY, "--epochs", "20"])
+    job.start(discovery_args(job, "-np", "2", "--elastic-timeout", "6"), [*STEADY, "--epochs", "20"])
     job.wait_rounds(1)
     job.wait_steps(3)
     os.kill(job.worker_pid("127.0.0.2"), signal.SIGKILL)
     assert job.wait() != 0
-    assert "job failed: timed out after 3 s waiting for 2 slot(s) (1 available)" in job.reason()
+    assert "job failed: timed out after 6 s waiting for 2 slot(s) (1 available)" in job.reason()
+    # While it waits, a line every 5 s says what is missing and how long is left (issue 26 item 7).
+    left = [int(s) for s in re.findall(r"Waiting for 2 slot\(s\): 1 available on \S+; the job fails in (\d+) s "
+                                       r"without them\.", job.stderr())]
+    assert len(left) >= 2 and left == sorted(left, reverse=True) and left[0] > left[-1], job.stderr()[-3000:]
 
 
 @pytest.mark.parametrize(

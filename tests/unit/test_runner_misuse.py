@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import lightning_elastic as le
+from tests.troubleshooting_rows import assert_documented
 
 
 def train(state, steps=1):
@@ -22,6 +23,7 @@ def test_calling_without_a_state_first_says_what_it_takes(args, got):
         "train, decorated with @le.run, takes a lightning_elastic state as its first argument "
         f"(le.TorchState, le.ObjectState, le.FabricState), got {got}: call train(state, ...)"
     )
+    assert_documented(f"TypeError: {info.value}")
 
 
 def test_a_decorated_method_says_to_decorate_a_function_of_the_state():
@@ -43,3 +45,4 @@ def test_run_given_something_else_than_a_function_says_how_to_write_it(value, go
         f"@le.run: expected the training function, got {got}: write @le.run (no parentheses) "
         "above def train(state, ...), then call train(state)"
     )
+    assert_documented(f"TypeError: {info.value}")

@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 
 from lightning_elastic.worker import ElasticWorker
+from tests.troubleshooting_rows import assert_documented
 
 pytest.importorskip("lightning")
 from lightning_elastic.lightning.strategy import ElasticStrategy  # noqa: E402
@@ -73,7 +74,9 @@ def build(api: str, **kwargs):
 
 @pytest.mark.parametrize("api", ["Trainer", "Fabric"])
 def test_devices_asking_for_several_processes_are_said_to_be_ignored(api):
-    assert build(api, devices=4) == [
+    warned = build(api, devices=4)
+    assert_documented(warned[0].replace(api, "Trainer"))  # the row is written for Trainer, and says Fabric too
+    assert warned == [
         f'lightning-elastic: strategy="elastic_hvd" ignores {api}(devices=...) asking for 4 devices: '
         "lightning-elastic launch starts one process per device (launch -np and the hosts' slots set how many; "
         "the job has 1 now), and this process uses cpu. Leave devices out."
@@ -82,7 +85,9 @@ def test_devices_asking_for_several_processes_are_said_to_be_ignored(api):
 
 @pytest.mark.parametrize("api", ["Trainer", "Fabric"])
 def test_num_nodes_is_said_to_be_ignored(api):
-    assert build(api, num_nodes=2) == [
+    warned = build(api, num_nodes=2)
+    assert_documented(warned[0].replace(api, "Trainer"))
+    assert warned == [
         f'lightning-elastic: strategy="elastic_hvd" ignores {api}(num_nodes=2): the hosts are lightning-elastic '
         "launch's (-H, --hostfile, --host-discovery-script, --ray or --slurm; the job has 1 process(es) now). "
         "Leave num_nodes out."
