@@ -8,10 +8,12 @@ to ``reread_cap`` (jittered), and from the start again once a reply is verified 
 file named a new address. The cap grows with the fleet, so that a whole fleet waiting out
 a long outage reads the shared file at most ~``FLEET_REREADS_PER_S`` times a second (4,096
 workers at a fixed 0.5 s: ~8,000 reads/s on the shared filesystem; now ~340 in the
-steady part of an outage), while a small job still finds a moved driver within seconds. The file is only a hint of where to connect: it is read like any
-untrusted input (bounded, parsed strictly), and every reply is still verified with the
-job's secret (``client.py``), so a file pointing at another server gains that server
-nothing but refused replies.
+steady part of an outage), while a small job still finds a moved driver within seconds.
+
+The file is only a hint of where to connect: it is read like any untrusted input
+(bounded, parsed strictly), and every reply is still verified with the job's secret
+(``client.py``), so a file pointing at another server gains that server nothing but
+refused replies.
 """
 
 from __future__ import annotations
