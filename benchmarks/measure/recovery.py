@@ -125,6 +125,8 @@ def _torchft(bound: float):
 def report(result: dict[str, Any]) -> str:
     rows, notes = [], []
     for key, tool in result["tools"].items():
+        if not tool["trials"] and not tool["skipped"]:
+            continue  # not asked for (--peer-trials 0)
         if tool["skipped"] and not tool["trials"]:
             rows.append([tool["label"], f"skipped ({tool['skipped']})", "", ""])
             continue
