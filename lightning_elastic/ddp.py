@@ -68,7 +68,7 @@ class DistributedDataParallel(torch.nn.Module):
             return dict(self._ddp_kwargs)
         synced = worker.synced_modules.holds(self.module, worker.assignment.round)
         return init_sync.ddp_kwargs_for(self.module, self._ddp_kwargs, synced, dist.get_world_size(),
-                                        init_sync.group_gather(worker.device))
+                                        init_sync.group_gather(worker.device, worker.wait_collective))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapped(*args, **kwargs)

@@ -115,13 +115,15 @@ def agree(needed: bool, print_: int, gather: Gather) -> bool:
     return all(row.tolist() == [0, first[1]] for row in rows)
 
 
-def group_gather(device: torch.device) -> Gather:
-    """``agree``'s all-gather over the current default group (on ``device``: NCCL needs CUDA)."""
+def group_gather(device: torch.device, wait: Callable[[dist.Work], None]) -> Gather:
+    """``agree``'s all-gather over the current default group (on ``device``: NCCL needs CUDA),
+    waited for with ``wait`` (the worker's ``wait_collective``: a peer lost mid-gather must
+    not hold the survivors until the group's timeout)."""
 
     def gather(row: torch.Tensor) -> list[torch.Tensor]:
         row = row.to(device)
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, row)
+        wait(dist.all_gather(rows, row, async_op=True))
         return [r.cpu() for r in rows]
 
     return gather

@@ -203,7 +203,7 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         synced, self._weights_synced = self._weights_synced, False
         a = self.worker.assignment
         kwargs = init_sync.ddp_kwargs_for(self.model, compat.ddp_kwargs(self), synced, a.size,
-                                          init_sync.group_gather(self.worker.device))
+                                          init_sync.group_gather(self.worker.device, self.worker.wait_collective))
         with compat.ddp_kwargs_replaced(self, kwargs):
             super().configure_ddp()
 
