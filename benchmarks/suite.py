@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             elif section == "goodput":
                 result = goodput.run(config.goodput, workdir)
             else:
-                result = recovery.run(config.recovery_trials, config.peer_trials, workdir, config.recovery_bound)
+                result = recovery.run(config.recovery_trials, config.peer_trials, workdir, config.recovery_bound,
+                                      model=config.models[0])
             result["duration_s"] = round(time.monotonic() - section_started, 1)
             document["results"][section] = result
             reports[section] = modules[section].report(result)

@@ -5,10 +5,12 @@ on; a reset destroys that group and forms a new one, so a wrapper built once wou
 all-reduce on a dead group. ``le.DistributedDataParallel`` is built once, like torch's, and
 holds a torch DDP of the module for the current group: at the first forward in a new
 group it drops the old one (its reducer's hooks go with it) and builds another with the
-same arguments. Building one is a collective (DDP broadcasts rank 0's parameters and
-buffers), which every rank of the new group reaches at the same point: its first forward
-after the reset. Gradients are all-reduced by torch's DDP itself: bucketed, overlapped
-with the backward pass.
+same arguments. Building one is a collective, which every rank of the new group reaches
+at the same point: its first forward after the reset. torch's DDP broadcasts rank 0's
+parameters and buffers when it is built; when this round's state sync has already loaded
+the module on every rank (it is, or is part of, a module of a ``le.TorchState``), it is
+built with ``init_sync=False`` instead (``lightning_elastic.init_sync``). Gradients are
+all-reduced by torch's DDP itself: bucketed, overlapped with the backward pass.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from lightning_elastic import init_sync
+from lightning_elastic.api import current_worker
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -51,9 +56,19 @@ class DistributedDataParallel(torch.nn.Module):
             raise RuntimeError("le.DistributedDataParallel: no process group; call le.init() first")
         if self.__dict__["_wrapped"] is None or self.__dict__["_group"] is not group:
             self.__dict__["_wrapped"] = None  # the old reducer (and its autograd hooks) goes first
-            self.__dict__["_wrapped"] = TorchDDP(self.module, **self._ddp_kwargs)
+            self.__dict__["_wrapped"] = TorchDDP(self.module, **self._kwargs_for_group())
             self.__dict__["_group"] = group
         return self.__dict__["_wrapped"]
+
+    def _kwargs_for_group(self) -> dict[str, Any]:
+        """The user's kwargs, with ``init_sync=False`` when this round's sync made it redundant."""
+        try:
+            worker = current_worker()
+        except RuntimeError:  # a group formed without le.init: no state sync ran
+            return dict(self._ddp_kwargs)
+        synced = worker.synced_modules.holds(self.module, worker.assignment.round)
+        return init_sync.ddp_kwargs_for(self.module, self._ddp_kwargs, synced, dist.get_world_size(),
+                                        init_sync.group_gather(worker.device, worker.wait_collective))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapped(*args, **kwargs)

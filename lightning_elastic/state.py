@@ -251,6 +251,13 @@ class TorchState(ObjectState):
         stateful = {n: v.state_dict() for n, v in self._stateful().items()} if with_stateful else {}
         return {"values": self._plain_values(), "stateful": stateful}
 
+    def sync(self) -> None:
+        super().sync()
+        # Every rank's modules now hold rank 0's weights: the torch DDP built next on this
+        # round's group need not broadcast them again (lightning_elastic.init_sync).
+        modules = [obj for obj in self._stateful().values() if isinstance(obj, torch.nn.Module)]
+        self.worker.synced_modules.note(self.worker.assignment.round, modules)
+
     def _load(self, committed: Committed) -> None:
         super()._load(committed)
         saved = committed.skeleton.get("stateful", {})

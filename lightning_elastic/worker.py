@@ -35,6 +35,7 @@ from lightning_elastic.driver_locator import DriverLocator
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 from lightning_elastic.host_check import HostCheck
+from lightning_elastic.init_sync import SyncedModules
 from lightning_elastic.preemption import PreemptionHandler
 from lightning_elastic.snapshot_files import ENV_DIR, ENV_JOB_ID, Location, SnapshotSettings
 from lightning_elastic.process_group import (
@@ -276,6 +277,8 @@ class ElasticWorker:
         self._first_step_sender: threading.Thread | None = None  # rank 0's, of its newest round
         self._reset_started_at: float | None = None
         self.resets = 0  # resets this worker went through (recoveries and host changes)
+        # What the newest round's state sync loaded: a torch DDP of it skips its own broadcast.
+        self.synced_modules = SyncedModules()
         # What this worker last told the driver of its end (DONE, FAILED, REMOVED), if anything.
         self.reported: p.Outcome | None = None
         # Set by the retry loop (``@le.run``, the Trainer's fit): recoveries are possible.

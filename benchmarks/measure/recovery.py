@@ -1,6 +1,7 @@
 """Recovery: SIGKILL of a non-zero rank after 40 steps (3 workers) -> the first step completed after.
 
-Small model, per tool (trials interleaved):
+The small model (or the first of ``--models``: the 100m model is killed after step 12, past
+its first commit, as its steps take about a second), per tool (trials interleaved):
 
 - ``le/loop``: workloads/loop.py in ``@le.run`` under ``lightning-elastic launch -np 3 --min-np 1``
   (commit every 10 steps, check every step): the 2 survivors go on; the first step logged at
@@ -31,7 +32,7 @@ from harness import (Job, Skipped, StepReader, Summary, TrialError, elastic_laun
                      torchrun, values, wait_until, workload)
 
 WORKERS = 3
-KILL_AFTER = 40
+KILL_AFTER = {"small": 40, "100m": 12}  # by model: the 100m model's steps take ~1 s each
 STEPS = 10**6  # never reached: the job is stopped once the recovery is measured
 CADENCE = ("--commit-every", "10", "--check-every", "1")
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -47,39 +48,42 @@ TOOLS = {
 TORCHFT_LABEL = "torchft (benchmarks/peers/torchft_recovery.py)"
 
 
-def run(trials: int, peer_trials: int, workdir: Path, bound: float, start_timeout: float = 300.0) -> dict[str, Any]:
+def run(trials: int, peer_trials: int, workdir: Path, bound: float, start_timeout: float = 300.0,
+        model: str = "small") -> dict[str, Any]:
     plan: dict[str, tuple[int, Any]] = {}
     for key, (label, script, args, elastic) in TOOLS.items():
-        plan[key] = (trials if elastic else peer_trials, _measure(script, args, elastic, bound, start_timeout))
+        plan[key] = (trials if elastic else peer_trials, _measure(script, args, elastic, bound, start_timeout, model))
     plan["torchft"] = (peer_trials, _torchft(bound))
     results, skipped = interleave("recovery", plan, workdir, lambda v: f"{v['seconds']:.2f} s")
     if "torchft" in skipped:
         print(f"torchft: skipped ({skipped['torchft']})", flush=True)
     labels = {key: label for key, (label, *_rest) in TOOLS.items()} | {"torchft": TORCHFT_LABEL}
-    return {"workers": WORKERS, "kill_after_step": KILL_AFTER, "bound_s": bound,
+    return {"workers": WORKERS, "model": model, "kill_after_step": KILL_AFTER[model], "bound_s": bound,
             "tools": {key: {"label": labels[key], "trials": results[key], "skipped": skipped.get(key)}
                       for key in plan}}
 
 
-def _measure(script: str, args: tuple[str, ...], elastic: bool, bound: float, start_timeout: float):
+def _measure(script: str, args: tuple[str, ...], elastic: bool, bound: float, start_timeout: float, model: str):
     def measure(index: int, directory: Path) -> dict[str, Any]:
-        inner = workload(script, "--model", "small", "--steps", STEPS, "--log-dir", directory / "steps", *args)
+        inner = workload(script, "--model", model, "--steps", STEPS, "--log-dir", directory / "steps", *args)
         if elastic:
             command, env = elastic_launch(WORKERS, inner, min_np=1), None
         else:
             command, env = torchrun(WORKERS, inner, max_restarts=1), TORCHRUN_ENV
         with Job(command, directory, env) as job:
-            return kill_and_time(job, StepReader(directory / "steps"), elastic, bound, start_timeout)
+            return kill_and_time(job, StepReader(directory / "steps"), elastic, bound, start_timeout,
+                                 KILL_AFTER[model])
     return measure
 
 
-def kill_and_time(job: Job, reader: StepReader, elastic: bool, bound: float, start_timeout: float) -> dict[str, Any]:
+def kill_and_time(job: Job, reader: StepReader, elastic: bool, bound: float, start_timeout: float,
+                  kill_after: int = KILL_AFTER["small"]) -> dict[str, Any]:
     def reached() -> bool:
         reader.poll()
-        return any(r["step"] >= KILL_AFTER for r in reader.records)
+        return any(r["step"] >= kill_after for r in reader.records)
 
     if not wait_until(reached, start_timeout, job):
-        raise TrialError(f"the job did not reach step {KILL_AFTER} within {start_timeout:.0f} s "
+        raise TrialError(f"the job did not reach step {kill_after} within {start_timeout:.0f} s "
                          f"(exit status {job.poll()}); last output:\n{job.tail()}")
     victim = next(r for r in reversed(reader.records) if r["rank"] == 1)
     before = {r["pid"] for r in reader.records}
@@ -121,6 +125,8 @@ def _torchft(bound: float):
 def report(result: dict[str, Any]) -> str:
     rows, notes = [], []
     for key, tool in result["tools"].items():
+        if not tool["trials"] and not tool["skipped"]:
+            continue  # not asked for (--peer-trials 0)
         if tool["skipped"] and not tool["trials"]:
             rows.append([tool["label"], f"skipped ({tool['skipped']})", "", ""])
             continue
@@ -129,7 +135,7 @@ def report(result: dict[str, Any]) -> str:
         rows.append([tool["label"], Summary.of(got).show(fmt="{:.2f}", unit=" s"),
                      f"{sum(s is not None for s in got)}/{len(got)}", shown])
         notes += [f"- {key}: {e.splitlines()[0]}" for e in failures(tool["trials"])]
-    return (f"Recovery, {result['workers']} workers, SIGKILL of rank 1 after step {result['kill_after_step']} -> "
+    return (f"Recovery, model {result.get('model', 'small')}, {result['workers']} workers, SIGKILL of rank 1 after step {result['kill_after_step']} -> "
             f"first step completed after (bound {result['bound_s']:.0f} s):\n\n"
             + md_table(["tool", "median (range)", "recovered", "every trial (s)"], rows)
             + ("\n\nTrials without recovery:\n" + "\n".join(notes) if notes else ""))

@@ -13,7 +13,8 @@ import copy
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,6 +30,8 @@ __all__ = [
     "Launcher",
     "batch_progress",
     "collect_rng_states",
+    "ddp_kwargs",
+    "ddp_kwargs_replaced",
     "dump_checkpoint",
     "fit_loop_state_dict",
     "forget_dataloaders",
@@ -207,3 +210,19 @@ def set_logger_version(logger: Any, version: Any) -> None:
     """Pin a logger's version so that a new rank 0 keeps writing the same run."""
     if hasattr(logger, "_version") and version is not None:
         logger._version = version
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments a ``DDPStrategy`` gives torch's DDP (the user's, as passed)."""
+    return dict(strategy._ddp_kwargs)
+
+
+@contextmanager
+def ddp_kwargs_replaced(strategy: Any, kwargs: dict[str, Any]) -> Iterator[None]:
+    """The strategy builds its torch DDP with ``kwargs`` inside the block, then the user's again."""
+    saved = strategy._ddp_kwargs
+    strategy._ddp_kwargs = kwargs
+    try:
+        yield
+    finally:
+        strategy._ddp_kwargs = saved

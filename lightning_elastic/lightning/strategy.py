@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 import lightning.pytorch as pl
+from lightning_elastic import init_sync
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.commit import (
     COMMIT_MARKER,
@@ -96,6 +97,10 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         self._resumed_world_size: int | None = None  # set when a fit resumed from a commit
         self._sampler: ElasticSampler | None = None
         self._pending_sampler: SamplerPosition | None = None
+        # This fit attempt is loading the agreed commit / has loaded its weights into the
+        # LightningModule on every rank (strictly): DDP need not broadcast them again.
+        self._loading_commit = False
+        self._weights_synced = False
 
     # ----- the world ------------------------------------------------------------------
 
@@ -163,6 +168,7 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
 
     def agree_on_restore(self, trainer: pl.Trainer) -> bool:
         """Collective, before every fit attempt: is there a commit to resume from?"""
+        self._loading_commit = self._weights_synced = False  # a new attempt: nothing loaded yet
         versions = [logger.version for logger in trainer.loggers] if self._is_source_candidate() else []
         self._restore = agree_on_restore(self.worker, self.snapshot, versions)
         for logger, version in zip(trainer.loggers, self._restore.logger_versions):
@@ -179,9 +185,27 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self._restore is not None and self._restore.source_rank is not None
         committed = receive_commit(self.worker, self.snapshot, self._restore.source_rank)
+        self._loading_commit = True
         self._resumed_world_size = committed.meta.world_size
         self._pending_sampler = committed.meta.sampler
         return checkpoint_for_lightning(committed, self.worker.assignment.size)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        # Every rank loaded the same commit; strictly: no parameter was left as it was.
+        self._weights_synced = self._loading_commit and strict
+        self._loading_commit = False
+
+    def configure_ddp(self) -> None:
+        # After a reset every rank holds the agreed commit's weights: torch's DDP is built
+        # without its initial broadcast of them (lightning_elastic.init_sync decides, with
+        # every rank; never on a first fit, whose ranks may hold different initial weights).
+        synced, self._weights_synced = self._weights_synced, False
+        a = self.worker.assignment
+        kwargs = init_sync.ddp_kwargs_for(self.model, compat.ddp_kwargs(self), synced, a.size,
+                                          init_sync.group_gather(self.worker.device, self.worker.wait_collective))
+        with compat.ddp_kwargs_replaced(self, kwargs):
+            super().configure_ddp()
 
     # ----- data -----------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 ``FakeWorker`` quacks like ``ElasticWorker`` as far as ``state.py``, ``sampler.py`` and
 ``lightning/commit.py`` use it (``assignment``, ``backend``, ``device``, ``note_commit``,
-``check_host_updates``) without a driver, heartbeats or a process group.
+``check_host_updates``, ``synced_modules``) without a driver, heartbeats or a process group.
 
 ``run_ranks(n, fn)`` runs ``fn(rank, worker)`` in n fresh processes joined in a real gloo
 group (over a ``FileStore`` in a temporary directory), for the few tests that need real
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
+from lightning_elastic.init_sync import SyncedModules
 from lightning_elastic.protocol import Assignment
 
 
@@ -60,6 +61,7 @@ class FakeWorker:
         self.last_recovery_s: float | None = None
         self.snapshot_writer: Any = None  # a SnapshotWriter: rank 0 offers its commits
         self.resume_from: Any = None  # a ResumePlan: the first prepare loads it
+        self.synced_modules = SyncedModules()  # what TorchState.sync loaded, per round
 
     @property
     def commits_total(self) -> int:
