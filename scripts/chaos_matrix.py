@@ -144,6 +144,16 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "a second allocation (`--slurm-jobs`, by its job name) starts mid-training", "success; sizes 2 -> 3, nothing rolled back", EO),
     ("test_slurm.py::test_slurm_outside_an_allocation_is_one_line", "Slurm",
      "`--slurm` outside an allocation", "one line, nothing started", "—"),
+    ("test_driver_restart.py::test_sigterm_hands_the_job_over_to_the_next_driver", "loop",
+     "`--state-dir`: SIGTERM to the driver mid-epoch (a Kubernetes pod restart), the next driver started with "
+     "another `--port`", "the driver alone exits, `job handed over: ...` in under 5 s; then success in the same round",
+     "workers alive through the hand-over, state saved, `driver_handed_over` event, line documented; same processes, "
+     "each worker follows the URL in `DIR/driver-url`"),
+    ("test_driver_restart.py::test_a_driver_restarted_on_another_machine_is_found_through_the_shared_state_dir",
+     "machines", "`--state-dir`: SIGKILL to the driver, the same command again in another namespaced host (another "
+     "address, the filesystem shared)", "success in the same round on both hosts",
+     "the new driver serves on its own address, re-attaches over ssh; same processes; each worker follows the URL in "
+     "`DIR/driver-url`"),
 ]
 
 
