@@ -26,7 +26,6 @@ from lightning_elastic.launcher.state_dir import (
     HoldEntry,
     JobState,
     RoundEntry,
-    SlotEntry,
     StateDir,
     StateWriter,
     TargetEntry,
@@ -117,7 +116,7 @@ def capture(
         departures=counters.departures,
         outages=counters.outages,
         saved_at=time.time(),
-        standby=tuple(SlotEntry(slot.host, slot.local_rank) for slot in waits.standby),
+        standby=waits.standby,
         holds=tuple(HoldEntry(slot.host, slot.local_rank, until - now) for slot, until in waits.held_until
                     if until > now),
         first_exit=FirstExitEntry(waits.first_exit[1], now - waits.first_exit[0]) if waits.first_exit else None,
@@ -179,7 +178,7 @@ def restore(
     # A hold or the exit timeout goes on from where it was: the outage does not count
     # (as the blacklist's cooldowns), so a restart never cuts a wait short.
     waits = Waits(
-        standby=tuple(SlotKey(e.host, e.local_rank) for e in state.standby),
+        standby=state.standby,
         held_until=tuple((SlotKey(h.host, h.local_rank), now + h.remaining) for h in state.holds),
         first_exit=(now - state.first_exit.elapsed, state.first_exit.worker_id) if state.first_exit else None,
     )

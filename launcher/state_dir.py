@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.hosts import SlotKey
 from lightning_elastic.protocol import Assignment
 
 log = logging.getLogger("lightning_elastic.driver")
@@ -80,12 +81,6 @@ class BlacklistEntry:
     local_rank: int | None  # None: the whole host
     count: int
     remaining: float | None  # seconds of cooldown left when saved; None: for good
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotEntry:
-    host: str
-    local_rank: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +132,7 @@ class JobState:
     outages: tuple[str, ...]  # one line per earlier driver restart
     saved_at: float  # wall clock
     # What the driver was waiting out (absent from a state saved before they were kept).
-    standby: tuple[SlotEntry, ...] = ()  # the hot spares' slots (--spares)
+    standby: tuple[SlotKey, ...] = ()  # the hot spares' slots (--spares)
     holds: tuple[HoldEntry, ...] = ()
     first_exit: FirstExitEntry | None = None
 
@@ -163,7 +158,7 @@ class JobState:
             for w in raw["workers"])
         raw["target"] = tuple(TargetEntry(**t) for t in raw["target"])
         raw["blacklist"] = tuple(BlacklistEntry(**b) for b in raw["blacklist"])
-        raw["standby"] = tuple(SlotEntry(**e) for e in raw.get("standby", ()))
+        raw["standby"] = tuple(SlotKey(**e) for e in raw.get("standby", ()))
         raw["holds"] = tuple(HoldEntry(**e) for e in raw.get("holds", ()))
         raw["first_exit"] = FirstExitEntry(**raw["first_exit"]) if raw.get("first_exit") else None
         for key in ("broken_rounds", "rounds", "failures", "blacklisted", "departures", "outages"):
