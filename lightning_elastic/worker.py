@@ -434,7 +434,7 @@ class ElasticWorker:
         after = self._assignment.round if self._assignment else 0
         deadline = time.monotonic() + self.settings.elastic_timeout + 60.0
         if after == 0:
-            time.sleep(first_request_spread(int(os.environ.get("WORLD_SIZE", "1"))))
+            time.sleep(first_request_spread(self.settings.world_size))  # the launch's WORLD_SIZE
         standby_said = False
         while True:
             reply = self._client.rendezvous(after)
