@@ -119,7 +119,8 @@ def checkpoint_for_lightning(committed: Committed, world_size: int) -> dict[str,
 
     The loops count batches of the current epoch at the world size they ran at; the sampler
     counts samples. After a world size change the batch count is re-expressed at the new
-    world size so the epoch ends when its samples are used up, no sooner and no later.
+    world size so the epoch ends when its samples are used up, no sooner and no later. A
+    commit of an epoch's last batch resumes at the next epoch's start (``compat.finish_epoch``).
     """
     checkpoint = {
         key: join(part, committed.tensors, clone=key != MODEL_KEY) for key, part in committed.skeleton.items()
@@ -140,6 +141,7 @@ def checkpoint_for_lightning(committed: Committed, world_size: int) -> dict[str,
             for key in ("ready", "started", "processed"):
                 counters[key] = max(0, int(counters[key]) + delta)
             counters["completed"] = counters["processed"] - gap
+    compat.finish_epoch(checkpoint)
     return checkpoint
 
 

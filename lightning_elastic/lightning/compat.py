@@ -126,6 +126,34 @@ def batch_progress(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     return checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
 
 
+def finish_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Turn a checkpoint taken at the end of an epoch's last training batch into the state at
+    the next epoch's start (the epoch counted done, its last batch completed). Returns whether
+    it was such a checkpoint.
+
+    Lightning resumes a checkpoint of that batch on a special path that counts the epoch done
+    but then does not count the next one as started: its checkpoints are one epoch behind, and
+    a later resume from one of them is not seen as mid-epoch (the epoch replays from its first
+    batch, or an epoch-interval LR scheduler misses its step). The state of a finished epoch
+    resumes on the ordinary path. What the epoch's end would still have run (its validation,
+    plateau schedulers) is skipped, as on Lightning's own path.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    batches, epochs = fit_loop.get("epoch_loop.batch_progress"), fit_loop.get("epoch_progress")
+    if batches is None or epochs is None or not batches.get("is_last_batch"):
+        return False
+    if int(batches["current"]["processed"]) - int(batches["current"]["completed"]) != 1:
+        return False  # not taken at a training batch end
+    for counters in (batches["current"], batches["total"]):
+        counters["completed"] = counters["processed"]
+    for counters in (epochs["current"], epochs["total"]):
+        counters["processed"] = counters["completed"] = counters["started"]
+    own = fit_loop.get("epoch_loop.state_dict")
+    if isinstance(own, dict) and "_batches_that_stepped" in own:
+        own["_batches_that_stepped"] += 1  # counted only after the batch-end hooks
+    return True
+
+
 def long_phase_follows(trainer: pl.Trainer) -> bool:
     """Called at a training batch end: will a validation pass or the epoch's end run before
     the next training batch? (Lightning decides validation in ``on_advance_end``, after the

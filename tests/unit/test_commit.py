@@ -386,3 +386,52 @@ def test_a_commit_rescaled_to_the_start_of_its_epoch_resumes_at_the_first_batch(
     assert epoch_batches_done(16, 1, 1, 2) == 0
     trainer(Record()).fit(Tiny(), data, ckpt_path=path)
     assert batches == [(1, b) for b in range(8)]
+
+
+def test_a_commit_of_an_epochs_last_batch_resumes_at_the_next_epoch_and_later_commits_stay_mid_epoch(tmp_path):
+    """Found by a host change during the epoch-end validation, then a second one mid-epoch:
+    resumed on Lightning's own path, the first commit left the next epoch uncounted as
+    started, so a commit in it resumed as if the epoch had not begun: the epoch replayed
+    from its first batch (here) or, with the elastic sampler, ended short and its StepLR
+    step was lost (the job's LR twice the expected)."""
+    import lightning.pytorch as pl  # noqa: PLC0415
+    from torch.utils.data import DataLoader, TensorDataset  # noqa: PLC0415
+
+    class Scheduled(tiny_module()):  # type: ignore[misc]
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)}
+
+    class CommitAt(pl.Callback):
+        def __init__(self, epoch: int, batch_idx: int, path: Any) -> None:
+            self.at, self.path = (epoch, batch_idx), path
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if (trainer.current_epoch, batch_idx) == self.at:
+                commit = commit_of(compat.dump_checkpoint(trainer), 1, trainer.global_step, None)
+                torch.save(checkpoint_for_lightning(commit, world_size=1), self.path)
+
+    batches: list[tuple[int, int]] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            batches.append((trainer.current_epoch, batch_idx))
+
+    def fit(callback: pl.Callback, ckpt_path: Any = None) -> pl.Trainer:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, Record()])
+        trainer.fit(Scheduled(), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2), ckpt_path=ckpt_path)
+        return trainer
+
+    last_batch, mid_epoch = tmp_path / "last-batch.ckpt", tmp_path / "mid-epoch.ckpt"
+    fit(CommitAt(0, 3, last_batch))
+    resumed = torch.load(last_batch, weights_only=False)["loops"]["fit_loop"]
+    assert resumed["epoch_progress"]["current"] == {"ready": 1, "started": 1, "processed": 1, "completed": 1}
+    batches.clear()
+    trainer = fit(CommitAt(1, 1, mid_epoch), last_batch)
+    assert batches == [(e, b) for e in (1, 2) for b in range(4)]
+    assert (trainer.global_step, trainer.lr_scheduler_configs[0].scheduler.last_epoch) == (12, 3)
+    batches.clear()
+    trainer = fit(pl.Callback(), mid_epoch)
+    assert batches == [(1, 2), (1, 3)] + [(2, b) for b in range(4)]
+    assert (trainer.global_step, trainer.lr_scheduler_configs[0].scheduler.last_epoch) == (12, 3)
