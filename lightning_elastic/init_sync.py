@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from lightning_elastic import collectives
+
 
 class SyncedModules:
     """The modules the newest round's state sync made identical on every rank (weakly held)."""
@@ -120,13 +122,7 @@ def group_gather(device: torch.device, wait: Callable[[dist.Work], None]) -> Gat
     waited for with ``wait`` (the worker's ``wait_collective``: a peer lost mid-gather must
     not hold the survivors until the group's timeout)."""
 
-    def gather(row: torch.Tensor) -> list[torch.Tensor]:
-        row = row.to(device)
-        rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-        wait(dist.all_gather(rows, row, async_op=True))
-        return [r.cpu() for r in rows]
-
-    return gather
+    return lambda row: collectives.all_gather(row, device, wait)
 
 
 def ddp_kwargs_for(

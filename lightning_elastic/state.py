@@ -15,9 +15,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from lightning_elastic import snapshot_store, transfer
+from lightning_elastic import collectives, snapshot_store, transfer
 from lightning_elastic.snapshot import Committed, HostSnapshot, join
 from lightning_elastic.worker import ElasticWorker
 
@@ -50,10 +49,10 @@ def broadcast_object(value: Any, worker: ElasticWorker, src: int = 0) -> Any:
     """Rank ``src``'s ``value`` on every rank (tensors travel on CPU, pickled)."""
     if worker.assignment.size == 1:
         return value
-    box = [to_host(value) if worker.assignment.rank == src else None]
-    device = worker.device if worker.backend == "nccl" else None
-    dist.broadcast_object_list(box, src=src, device=device)
-    return box[0]
+    rank = worker.assignment.rank
+    device = worker.device if worker.backend == "nccl" else torch.device("cpu")
+    return collectives.broadcast_object(to_host(value) if rank == src else None, rank, src, device,
+                                        worker.wait_collective)
 
 
 class State:

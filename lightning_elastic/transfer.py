@@ -1,7 +1,7 @@
 """Sending a commit from one rank to every rank: tensors straight into the receivers' buffers.
 
 The skeleton, tensor specs and metadata of a commit (small) travel pickled in one
-``broadcast_object_list``; the tensors travel as raw bytes, in chunks of at most
+``collectives.broadcast_object``; the tensors travel as raw bytes, in chunks of at most
 ``chunk_bytes``, with no pickling. A tensor of a chunk's size or more is broadcast in place,
 slice by slice; smaller ones are packed into one staging chunk. Receivers write into their
 snapshot's spare buffers (a survivor's are already there; a joiner allocates one commit's
@@ -14,12 +14,14 @@ one device buffer of a chunk's size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_elastic import collectives
+from lightning_elastic.collectives import Wait, wait_plainly
 from lightning_elastic.prefault import Prefaulter
 from lightning_elastic.snapshot import Committed, HostSnapshot, TensorSpec
 
@@ -80,13 +82,9 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def wait_plainly(work: dist.Work) -> None:
-    work.wait()
-
-
 def broadcast_commit(
     snapshot: HostSnapshot, rank: int, size: int, src: int, device: torch.device,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES, wait: Callable[[dist.Work], None] = wait_plainly,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES, wait: Wait = wait_plainly,
 ) -> Committed:
     """Rank ``src``'s commit in every rank's ``snapshot`` (``device``: where NCCL stages chunks).
 
@@ -101,9 +99,8 @@ def broadcast_commit(
             return committed
         header = CommitHeader(committed.skeleton, committed.meta, committed.specs)
         buffers = list(committed.tensors)
-    box: list[Any] = [header if rank == src else None]
-    dist.broadcast_object_list(box, src=src, device=device if device.type == "cuda" else None)
-    header = box[0]
+    header = collectives.broadcast_object(header if rank == src else None, rank, src,
+                                          device if device.type == "cuda" else torch.device("cpu"), wait)
     new_memory = False
     if rank != src:
         new_memory = not snapshot.has_spare_for(header.specs)
@@ -119,7 +116,7 @@ def broadcast_commit(
 
 
 def send_tensors(tensors: Sequence[torch.Tensor], src: int, device: torch.device, chunk_bytes: int,
-                 wait: Callable[[dist.Work], None] = wait_plainly) -> None:
+                 wait: Wait = wait_plainly) -> None:
     """Broadcast the contents of contiguous host ``tensors`` from ``src`` into every rank's."""
     flat = [_bytes_of(t) for t in tensors]
     staged_on_device = device.type == "cuda"

@@ -15,8 +15,8 @@ import pickle
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from lightning_elastic import collectives
 from lightning_elastic.lightning import compat
 from lightning_elastic.sampler import epoch_batches_done
 from lightning_elastic.snapshot import Committed, HostSnapshot, join, split
@@ -94,9 +94,7 @@ def agree_on_restore(worker: ElasticWorker, snapshot: HostSnapshot, logger_versi
     info = commit_info(snapshot)
     step = torch.tensor([info.global_step if info else -1], dtype=torch.int64, device=worker.device)
     if size > 1:
-        steps = [torch.zeros_like(step) for _ in range(size)]
-        dist.all_gather(steps, step)
-        values = [int(s.item()) for s in steps]
+        values = [int(s.item()) for s in collectives.all_gather(step, worker.device, worker.wait_collective)]
     else:
         values = [int(step.item())]
     newest = max(values)
