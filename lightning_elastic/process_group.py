@@ -114,11 +114,33 @@ def init_round_group(
     kwargs = {"device_id": choice.device} if choice.backend == "nccl" else {}
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     forming = min(timeout, connect_timeout) if choice.backend == "gloo" and set_timeout is not None else timeout
-    dist.init_process_group(
-        choice.backend, store=prefixed, rank=rank, world_size=size, timeout=forming, **kwargs
-    )
+    try:
+        dist.init_process_group(
+            choice.backend, store=prefixed, rank=rank, world_size=size, timeout=forming, **kwargs
+        )
+    except BaseException:
+        _forget_failed_formation()
+        raise
     if forming != timeout:
         set_timeout(timeout)  # the formation's bound must not become the collectives' timeout
+
+
+def _forget_failed_formation() -> None:
+    """Leave no trace of a formation that raised, so that every rank's next one agrees.
+
+    torch names the default group after a process-wide count of groups, which only a
+    destroy resets, and keys the group's store entries with that name. A formation that
+    failed (a peer died while connecting) has nothing to destroy but counted its group: the
+    next round's keys on this rank would be "…/1/…" while every other rank's are "…/0/…",
+    and no round could form again (seen in the chaos test of a second worker killed while
+    the first recovery re-forms).
+    """
+    if dist.is_initialized():
+        destroy_round_group()
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def abandon_round_group() -> None:
