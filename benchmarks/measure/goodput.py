@@ -444,29 +444,38 @@ def pace_below_full(records: list[dict], events: list[dict], result: dict[str, A
                     batch: int = BATCH) -> None:
     """Split the pace below full size by whether a replacement was starting meanwhile.
 
-    "Starting": from the driver's ``worker_started`` until the next ``round_formed`` (the
-    round it joins), the time its interpreter and imports share the machine's cores with
-    the survivors; the rest of the time below full size (before the driver starts one, and
-    from the round that takes it in until it steps) is "idle". Intervals of consecutive
-    steps of the final state at one size below ``workers``, none spanning a kill, as in
-    ``pace_by_size``; samples per second per split (``None`` without such steps).
+    A worker is "starting" from the driver's ``worker_started`` until the first
+    ``round_formed`` that lists it among its members: the time its interpreter and imports
+    share the machine's cores with the survivors. Intervals of consecutive steps of the final
+    state at one size below ``workers``, none spanning a kill, as in ``pace_by_size``, each
+    counted as "starting" when one started when the interval began, else "idle"; samples per
+    second per size and split (``None`` without such steps).
     """
-    marks = sorted((e["time"], e["kind"]) for e in events if e.get("kind") in ("worker_started", "round_formed"))
-    if not marks:
+    starting: list[tuple[float, float]] = []
+    for event in events:
+        if event.get("kind") != "worker_started":
+            continue
+        joined = next((e["time"] for e in events if e.get("kind") == "round_formed" and e["time"] >= event["time"]
+                       and any(m.get("worker") == event.get("worker") for m in e.get("members", []))),
+                      float("inf"))
+        starting.append((event["time"], joined))
+    if not starting:
         return
     executions = [r for r in sorted(records, key=lambda r: r["t"]) if r["rank"] == 0]
     kept = [r for r in final_state(executions) if result["t0"] < r["t"] <= result["t0"] + result["window_s"]]
     kills = result["kill_times"]
-    spans = {"starting": [0, 0.0], "idle": [0, 0.0]}
+    spans: dict[int, dict[str, list[float]]] = {}
     for a, b in zip(kept, kept[1:]):
         if a["size"] != b["size"] or b["size"] >= workers or any(a["t"] < k < b["t"] for k in kills):
             continue
-        last = max((m for m in marks if m[0] <= a["t"]), default=None)
-        split = spans["starting" if last is not None and last[1] == "worker_started" else "idle"]
+        busy = any(begun <= a["t"] < joined for begun, joined in starting)
+        split = spans.setdefault(b["size"], {"starting": [0, 0.0], "idle": [0, 0.0]})["starting" if busy else "idle"]
         split[0] += b["size"] * batch
         split[1] += b["t"] - a["t"]
-    result["pace_below_full"] = {name: round(samples / seconds, 1) if seconds > 0 else None
-                                 for name, (samples, seconds) in spans.items()}
+    result["pace_below_full"] = {
+        str(size): {name: round(samples / seconds, 1) if seconds > 0 else None
+                    for name, (samples, seconds) in splits.items()}
+        for size, splits in sorted(spans.items())}
 
 
 # ----- the section ----------------------------------------------------------------------------
@@ -650,15 +659,15 @@ def report(result: dict[str, Any]) -> str:
             + ("\n\nFailed trials:\n" + "\n".join(notes) if notes else ""))
 
 
-def _below_full(trials: list[dict]) -> str:
-    """The median pace below full size while a replacement starts, and while none does."""
+def _below_full(trials: list[dict], workers: int = WORKERS) -> str:
+    """The median pace one short of full size while a replacement starts, and while none does."""
     shown = []
     for name, what in (("starting", "while a replacement starts"), ("idle", "while none does")):
-        got = [t["value"].get("pace_below_full", {}).get(name) for t in trials if t["ok"]]
+        got = [t["value"].get("pace_below_full", {}).get(str(workers - 1), {}).get(name) for t in trials if t["ok"]]
         ok = [g for g in got if g is not None]
         if ok:
             shown.append(f"{statistics.median(ok):.0f} samples/s {what}")
-    return "pace below full size " + ", ".join(shown) if shown else ""
+    return f"pace at {workers - 1}: " + ", ".join(shown) if shown else ""
 
 
 def _goal_line(entry: dict[str, Any], pace: Summary, ratio: Summary | None, first: list[float | None],
