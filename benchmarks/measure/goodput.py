@@ -48,6 +48,10 @@ Measured per trial, from the step logs (``StepReader``) and the kill times:
   at full size (``None`` when the next kill came first); for lightning-elastic also SIGKILL
   -> the driver's ``worker_failed`` and ``round_formed`` events (its events.jsonl:
   ``driver_times``), which split a slow recovery into the driver's part and the workers'.
+- the pace below full size split by whether a replacement was starting meanwhile (from
+  the driver's ``worker_started`` to the round it joins: ``pace_below_full``): on one
+  machine its interpreter and imports take the survivors' cores, which on its own machine
+  they would not.
 
 A run that stops training (no step within ``bound`` s of a kill, or the job ended) is a
 failed trial, with the job's last output kept in the results.
@@ -408,27 +412,70 @@ def failure(records: list[dict], kill: dict, following: dict | None, t0: float, 
     }
 
 
-def driver_times(result: dict[str, Any], events_path: Path) -> None:
-    """Add to each failure when the driver saw it and formed the next round (its events.jsonl), if it ran.
-
-    ``noticed_s``: SIGKILL -> the driver's ``worker_failed``; ``formed_s``: -> the next
-    ``round_formed``. What is left up to ``first_step_s`` is the workers' own re-formation
-    (process group, state restored) and the step itself.
-    """
+def read_events(events_path: Path) -> list[dict]:
+    """The driver's events.jsonl (empty when the tool has no such driver)."""
     if not events_path.exists():
-        return
+        return []
     events = []
     for line in events_path.read_text().splitlines():
         try:
             events.append(json.loads(line))
         except ValueError:
             pass  # a line cut by the job's stop
+    return events
+
+
+def driver_times(result: dict[str, Any], events: list[dict]) -> None:
+    """Add to each failure when the driver saw it and formed the next round (its events.jsonl), if it ran.
+
+    ``noticed_s``: SIGKILL -> the driver's ``worker_failed``; ``formed_s``: -> the next
+    ``round_formed``. What is left up to ``first_step_s`` is the workers' own re-formation
+    (process group, state restored) and the step itself.
+    """
     for at, failed in zip(result["kill_times"], result["failures"]):
         after = [e for e in events if e.get("time", 0) >= at]
         noticed = next((e["time"] for e in after if e["kind"] == "worker_failed"), None)
         formed = next((e["time"] for e in after if e["kind"] == "round_formed"), None)
         failed["noticed_s"] = round(noticed - at, 4) if noticed else None
         failed["formed_s"] = round(formed - at, 4) if formed else None
+
+
+def pace_below_full(records: list[dict], events: list[dict], result: dict[str, Any], workers: int = WORKERS,
+                    batch: int = BATCH) -> None:
+    """Split the pace below full size by whether a replacement was starting meanwhile.
+
+    A worker is "starting" from the driver's ``worker_started`` until the first
+    ``round_formed`` that lists it among its members: the time its interpreter and imports
+    share the machine's cores with the survivors. Intervals of consecutive steps of the final
+    state at one size below ``workers``, none spanning a kill, as in ``pace_by_size``, each
+    counted as "starting" when one started when the interval began, else "idle"; samples per
+    second per size and split (``None`` without such steps).
+    """
+    starting: list[tuple[float, float]] = []
+    for event in events:
+        if event.get("kind") != "worker_started":
+            continue
+        joined = next((e["time"] for e in events if e.get("kind") == "round_formed" and e["time"] >= event["time"]
+                       and any(m.get("worker") == event.get("worker") for m in e.get("members", []))),
+                      float("inf"))
+        starting.append((event["time"], joined))
+    if not starting:
+        return
+    executions = [r for r in sorted(records, key=lambda r: r["t"]) if r["rank"] == 0]
+    kept = [r for r in final_state(executions) if result["t0"] < r["t"] <= result["t0"] + result["window_s"]]
+    kills = result["kill_times"]
+    spans: dict[int, dict[str, list[float]]] = {}
+    for a, b in zip(kept, kept[1:]):
+        if a["size"] != b["size"] or b["size"] >= workers or any(a["t"] < k < b["t"] for k in kills):
+            continue
+        busy = any(begun <= a["t"] < joined for begun, joined in starting)
+        split = spans.setdefault(b["size"], {"starting": [0, 0.0], "idle": [0, 0.0]})["starting" if busy else "idle"]
+        split[0] += b["size"] * batch
+        split[1] += b["t"] - a["t"]
+    result["pace_below_full"] = {
+        str(size): {name: round(samples / seconds, 1) if seconds > 0 else None
+                    for name, (samples, seconds) in splits.items()}
+        for size, splits in sorted(spans.items())}
 
 
 # ----- the section ----------------------------------------------------------------------------
@@ -489,7 +536,9 @@ def _measure(entry: dict[str, Any], settings: Settings):
             started.stop()
         started.reader.poll()
         result = analyse(started.reader.records, kills, t0, t0 + settings.duration)
-        driver_times(result, directory / "launch" / "events.jsonl")
+        events = read_events(directory / "launch" / "events.jsonl")
+        driver_times(result, events)
+        pace_below_full(started.reader.records, events, result)
         return result
     return measure
 
@@ -610,11 +659,25 @@ def report(result: dict[str, Any]) -> str:
             + ("\n\nFailed trials:\n" + "\n".join(notes) if notes else ""))
 
 
+def _below_full(trials: list[dict], workers: int = WORKERS) -> str:
+    """The median pace one short of full size while a replacement starts, and while none does."""
+    shown = []
+    for name, what in (("starting", "while a replacement starts"), ("idle", "while none does")):
+        got = [t["value"].get("pace_below_full", {}).get(str(workers - 1), {}).get(name) for t in trials if t["ok"]]
+        ok = [g for g in got if g is not None]
+        if ok:
+            shown.append(f"{statistics.median(ok):.0f} samples/s {what}")
+    return f"pace at {workers - 1}: " + ", ".join(shown) if shown else ""
+
+
 def _goal_line(entry: dict[str, Any], pace: Summary, ratio: Summary | None, first: list[float | None],
                trials: list[dict]) -> str:
     """Goodput >= 0.95 of the full-world pace; with a spare listed, every recovery <= 0.2 s (and where it went)."""
     line = (f"- {entry['label']}: goodput / own full-world pace {pace.show(fmt='{:.3f}')} (goal >= 0.95), "
             f"/ failure-free run {ratio.show(fmt='{:.3f}') if ratio else '-'}")
+    below = _below_full(trials)
+    if below:
+        line += f"; {below}"
     seen = [v for v in first if v is not None]
     if entry["capacity"] == "fresh" or not first:
         return line
