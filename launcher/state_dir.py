@@ -135,6 +135,11 @@ class JobState:
     standby: tuple[SlotKey, ...] = ()  # the hot spares' slots (--spares)
     holds: tuple[HoldEntry, ...] = ()
     first_exit: FirstExitEntry | None = None
+    # Round numbers and generations the driver may have announced before its next save
+    # landed (saves are not waited for): a restarted driver that finds its workers ahead of
+    # ``round`` numbers its next round and generation past these (0: the saved ones).
+    reserved_round: int = 0
+    reserved_generation: int = 0
 
     def to_json(self) -> str:
         """By hand, not ``dataclasses.asdict`` (which deep-copies): 4,096 workers in ~0.1 s."""

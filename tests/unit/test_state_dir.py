@@ -23,7 +23,7 @@ from lightning_elastic.launcher.processes.detached import DetachedLauncher, Lost
 from lightning_elastic.launcher.processes.supervisor import MARK
 from lightning_elastic.launcher.registry import Registry
 from lightning_elastic.launcher.state_dir import JobState, StateDir, StateWriter, WorkerEntry
-from lightning_elastic.protocol import Outcome, Report
+from lightning_elastic.protocol import HeartbeatRequest, Outcome, RendezvousRequest, Report
 from tests.unit.proc_tools import BOUND, REPO, LineReader
 
 pytestmark = pytest.mark.timeout(60)
@@ -359,3 +359,68 @@ def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
         del raw[key]
     old = JobState.from_json(json.dumps(raw))
     assert (old.standby, old.holds, old.first_exit) == ((), (), None)
+
+
+COUNTERS = adoption.Counters(3, (2,), (), (), (), ())
+
+
+def test_workers_in_a_round_the_previous_driver_did_not_save_re_form_under_a_new_number(tmp_path):
+    """Saves are never waited for: a driver can announce round 2 and die before it is on disk.
+    The next driver, told by the workers that they know more than its saved round 1, must not
+    number a round 2 again (a worker in the unsaved round 2 would never take it) nor bump the
+    generation to one they already know (they would not hear of it): it re-forms past both."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    members = [reg.workers["a[0]#0"], reg.workers["a[1]#1"]]
+    with reg.cond:  # the unsaved change: a new generation and round 2, announced
+        reg.bump_generation()
+        reg.form_round(list(zip(members, target)), ("127.0.0.1", 4242))
+    assert (reg.round.number, reg.generation) == (2, 2) and saved.round.number == 1
+    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
+    with new_reg.cond:
+        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    # A heartbeat of a worker of round 2, as it knows it: at once, the driver moves past every
+    # generation its predecessor may have announced unsaved.
+    reserve = adoption.RESERVED_CHANGES
+    reply = new_reg.heartbeat_poll(HeartbeatRequest("a[0]#0", 2, 0, 5.0)).wait()
+    assert reply.generation == new_reg.generation == 1 + reserve + 1
+    assert 1 in new_reg.broken_rounds
+    # Both come back from round 2; the driver's next round is 3, and they take it.
+    waiting = [new_reg.rendezvous_poll(RendezvousRequest(w.worker_id, 2), timeout=0.01) for w in members]
+    with new_reg.cond:
+        assert new_reg.generation == reserve + 2  # their round 2 moved nothing more
+        formed = new_reg.form_round([(new_reg.workers[w.worker_id], s) for w, s in zip(members, target)],
+                                    ("127.0.0.1", 4242))
+    assert formed.number == 1 + reserve + 1 and formed.generation == reserve + 2
+    replies = [poll.wait() for poll in waiting]
+    assert [r.assignment.round for r in replies] == [formed.number] * 2
+
+
+def test_a_round_the_workers_knew_only_from_a_rendezvous_is_also_passed(tmp_path):
+    """The saved generation already counted the change; only the round was not saved: a
+    member back from round 2 shows it, and the next round is past the reserve."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
+    with new_reg.cond:
+        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    poll = new_reg.rendezvous_poll(RendezvousRequest("a[0]#0", 2), timeout=0.01)
+    assert new_reg.generation == 1 + adoption.RESERVED_CHANGES + 1 and 1 in new_reg.broken_rounds
+    # Its round-2 peers, still in it, hear of the new generation at their next heartbeat.
+    assert new_reg.heartbeat_poll(HeartbeatRequest("a[1]#1", 1, 0, 5.0)).wait().generation == new_reg.generation
+    with new_reg.cond:
+        formed = new_reg.form_round([(new_reg.workers["a[0]#0"], target[0])], ("127.0.0.1", 4242))
+    assert formed.number == 1 + adoption.RESERVED_CHANGES + 1
+    assert poll.wait().assignment.round == formed.number
+
+
+def test_workers_in_the_saved_round_change_nothing(tmp_path):
+    """The common case: the saved round is the workers' round, which the new driver takes up."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
+    with new_reg.cond:
+        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    new_reg.heartbeat_poll(HeartbeatRequest("a[0]#0", 1, 0, 0.01)).wait()
+    new_reg.report(Report("a[1]#1", 1, Outcome.DONE))
+    assert (new_reg.round, new_reg.generation, new_reg.broken_rounds) == (reg.round, 1, set())
