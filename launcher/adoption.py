@@ -31,7 +31,7 @@ from lightning_elastic.launcher.state_dir import (
     TargetEntry,
     WorkerEntry,
 )
-from lightning_elastic.protocol import Outcome, Report
+from lightning_elastic.protocol import Assignment, Outcome, Report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,61 +77,126 @@ def capture(
     waits: Waits = Waits(),
     now: float | None = None,
 ) -> JobState:
-    """The state a restarted driver needs, now (driver lock held; O(workers))."""
+    """The state a restarted driver needs, now (driver lock held)."""
+    return snapshot(address, port, registry, processes, target, announced, hosts, counters, waits, now).state()
+
+
+# One worker as read under the lock: (id, slot, its process, joined, member of the current
+# round, assignment, report, leave, ended state or "", standby). Only references to values
+# that are never changed in place (assignments, reports, slots are frozen): the record may
+# change after, the row does not.
+_Row = tuple[str, SlotKey, "WorkerProcess | None", bool, bool, "Assignment | None", "Report | None", bool, str, bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The job's state as read under the driver's lock, as cheaply as it can be read (a
+    tuple of references per worker, ~2 ms at 4,096 workers); ``state()`` builds the
+    ``JobState`` from it, in the writer thread (~15 ms at 4,096 workers), so that a save
+    holds the lock, and so delays the announcement of the round it saves, no longer than
+    the reading."""
+
+    address: str
+    port: int
+    next_worker: int
+    generation: int
+    round: RoundInfo | None
+    broken_rounds: tuple[int, ...]
+    rows: tuple[_Row, ...]
+    target: tuple[SlotAssignment, ...]
+    announced: bool
+    counters: Counters
+    blacklist: tuple[tuple[str, int | None, int, float | None], ...]
+    waits: Waits
+    now: float
+
+    def state(self) -> JobState:
+        workers = []
+        for worker_id, slot, proc, joined, member, assignment, report, leave, finished, standby in self.rows:
+            # (pid, start ticks) of what outlives the driver; None: nothing can be adopted.
+            pid, ticks = getattr(proc, "adoptable", None) or (0, 0)
+            log_file = getattr(proc, "log_file", None)
+            workers.append(WorkerEntry(
+                worker_id=worker_id,
+                host=slot.host,
+                local_rank=slot.local_rank,
+                pid=pid,
+                start_ticks=ticks,
+                joined=joined,
+                member=member,
+                assignment=assignment,  # immutable: shared, serialized by the writer thread
+                reported=report.outcome.value if report else "",
+                reported_round=report.round if report else 0,
+                report_message=report.message if report else "",
+                leave=leave,
+                log_file=str(log_file) if log_file else "",
+                finished=finished,
+                standby=standby,
+            ))
+        current, counters, waits, now = self.round, self.counters, self.waits, self.now
+        return JobState(
+            address=self.address,
+            port=self.port,
+            next_worker=counters.next_worker,
+            generation=self.generation,
+            round=RoundEntry(current.number, current.generation, current.members) if current else None,
+            broken_rounds=self.broken_rounds,
+            workers=tuple(workers),
+            target=tuple(TargetEntry(a.slot.host, a.slot.local_rank, a.rank, a.size, a.local_size, a.cross_rank,
+                                     a.cross_size) for a in self.target),
+            announced=self.announced,
+            rounds=counters.rounds,
+            failures=counters.failures,
+            blacklisted=counters.blacklisted,
+            blacklist=tuple(BlacklistEntry(*entry) for entry in self.blacklist),
+            departures=counters.departures,
+            outages=counters.outages,
+            saved_at=time.time(),
+            standby=waits.standby,
+            holds=tuple(HoldEntry(slot.host, slot.local_rank, until - now) for slot, until in waits.held_until
+                        if until > now),
+            first_exit=FirstExitEntry(waits.first_exit[1], now - waits.first_exit[0]) if waits.first_exit else None,
+            reserved_round=(current.number if current else 0) + RESERVED_CHANGES,
+            reserved_generation=self.generation + RESERVED_CHANGES,
+        )
+
+
+def snapshot(
+    address: str,
+    port: int,
+    registry: Registry,
+    processes: Mapping[str, WorkerProcess],
+    target: Sequence[SlotAssignment],
+    announced: bool,
+    hosts: HostManager,
+    counters: Counters,
+    waits: Waits = Waits(),
+    now: float | None = None,
+) -> Snapshot:
+    """Read the state a restarted driver needs (driver lock held; O(workers), references only)."""
     current = registry.round
-    records = registry.live_workers()
+    number = current.number if current is not None else -1
+    member_state = WorkerState.MEMBER
+    get = processes.get
+    rows: list[_Row] = []
+    for record in registry.workers.values():
+        state = record.state
+        if state.finished:
+            continue
+        a = record.assignment
+        rows.append((record.worker_id, record.slot, get(record.worker_id), record.joined,
+                     state is member_state and a is not None and a.round == number,
+                     a, record.report, record.leave, "", record.standby))
     if current is not None:  # its finished members too: the round names them
-        records += [registry.workers[m] for m in current.members if registry.workers[m].state.finished]
-    workers = []
-    for record in records:
-        proc = processes.get(record.worker_id)
-        # (pid, start ticks) of what outlives the driver; None: nothing can be adopted.
-        pid, ticks = getattr(proc, "adoptable", None) or (0, 0)
-        log_file = getattr(proc, "log_file", None)
-        report = record.report
-        workers.append(WorkerEntry(
-            worker_id=record.worker_id,
-            host=record.slot.host,
-            local_rank=record.slot.local_rank,
-            pid=pid,
-            start_ticks=ticks,
-            joined=record.joined,
-            member=registry.current_member(record),
-            assignment=record.assignment,  # immutable: shared, serialized by the writer thread
-            reported=report.outcome.value if report else "",
-            reported_round=report.round if report else 0,
-            report_message=report.message if report else "",
-            leave=record.leave,
-            log_file=str(log_file) if log_file else "",
-            finished=record.state.value if record.state.finished else "",
-            standby=record.standby,
-        ))
-    now = time.monotonic() if now is None else now
-    return JobState(
-        address=address,
-        port=port,
-        next_worker=counters.next_worker,
-        generation=registry.generation,
-        round=RoundEntry(current.number, current.generation, current.members) if current else None,
-        broken_rounds=tuple(sorted(registry.broken_rounds)),
-        workers=tuple(workers),
-        target=tuple(TargetEntry(a.slot.host, a.slot.local_rank, a.rank, a.size, a.local_size, a.cross_rank,
-                                 a.cross_size) for a in target),
-        announced=announced,
-        rounds=counters.rounds,
-        failures=counters.failures,
-        blacklisted=counters.blacklisted,
-        blacklist=tuple(BlacklistEntry(*entry) for entry in hosts.blacklist_entries()),
-        departures=counters.departures,
-        outages=counters.outages,
-        saved_at=time.time(),
-        standby=waits.standby,
-        holds=tuple(HoldEntry(slot.host, slot.local_rank, until - now) for slot, until in waits.held_until
-                    if until > now),
-        first_exit=FirstExitEntry(waits.first_exit[1], now - waits.first_exit[0]) if waits.first_exit else None,
-        reserved_round=(current.number if current else 0) + RESERVED_CHANGES,
-        reserved_generation=registry.generation + RESERVED_CHANGES,
-    )
+        for worker_id in current.members:
+            record = registry.workers[worker_id]
+            if record.state.finished:
+                rows.append((worker_id, record.slot, get(worker_id), record.joined, False, record.assignment,
+                             record.report, record.leave, record.state.value, record.standby))
+    return Snapshot(
+        address, port, counters.next_worker, registry.generation, current, tuple(sorted(registry.broken_rounds)),
+        tuple(rows), tuple(target), announced, counters, tuple(hosts.blacklist_entries()), waits,
+        time.monotonic() if now is None else now)
 
 
 @dataclasses.dataclass

@@ -850,10 +850,11 @@ class Driver:
         """Hand the job's state to the writer thread."""
         if self._keeping is None or self._server is None:
             return
-        self._keeping.writer.submit(adoption.capture(
+        # Read under the lock (references only), built and written by the writer thread.
+        self._keeping.writer.submit(adoption.snapshot(
             self._address, self._server.port, self._registry, self._processes, self._target,
             self._announced_for is not None, self._hosts, self._counters(),
-            adoption.Waits(self._standby, tuple(self._held_until.items()), self._first_exit), self._clock()))
+            adoption.Waits(self._standby, tuple(self._held_until.items()), self._first_exit), self._clock()).state)
 
     def _counters(self) -> adoption.Counters:
         return adoption.Counters(self._next_worker, tuple(self._rounds), tuple(self._failures),

@@ -424,3 +424,24 @@ def test_workers_in_the_saved_round_change_nothing(tmp_path):
     new_reg.heartbeat_poll(HeartbeatRequest("a[0]#0", 1, 0, 0.01)).wait()
     new_reg.report(Report("a[1]#1", 1, Outcome.DONE))
     assert (new_reg.round, new_reg.generation, new_reg.broken_rounds) == (reg.round, 1, set())
+
+
+def test_a_snapshot_read_under_the_lock_is_the_state_of_then(tmp_path):
+    """The driver reads references under its lock and the writer thread builds the state
+    later: what the driver changes meanwhile must not leak into the saved state."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    before = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    snap = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    members = [reg.workers["a[0]#0"], reg.workers["a[1]#1"]]
+    with reg.cond:  # the next pass: a new round, a report, a worker gone
+        reg.bump_generation()
+        reg.form_round(list(zip(members, target)), ("127.0.0.1", 4242))
+        members[1].report = Report("a[1]#1", 2, Outcome.FAILED, "later")
+        reg.workers["a[1]#2"].leave = True
+        hosts.record_failure(SlotKey("a", 0))
+    directory = StateDir(tmp_path)
+    writer = StateWriter(directory)
+    writer.start()
+    writer.submit(snap.state)
+    writer.close()
+    assert dataclass_without_time(directory.load()) == dataclass_without_time(before)
