@@ -338,10 +338,19 @@ class AdoptionWatch:
         self._pending = list(records)
         self._adopted_at = adopted_at
         self._driver_started = driver_started
+        self._last = adopted_at  # the latest arrival seen so far
 
     def check(self, now: float) -> float | None:
         """Seconds from the driver's start to the last adopted worker's arrival, once all have
-        arrived (or ended); else None. O(workers not yet arrived): asked every tick until then."""
-        self._pending = [r for r in self._pending if not r.state.finished
-                         and (r.last_heartbeat is None or r.last_heartbeat <= self._adopted_at)]
-        return None if self._pending else now - self._driver_started
+        arrived (or ended); else None. O(workers not yet arrived): asked every tick until then.
+        The arrival's own time, not this check's: the loop may look a tick later."""
+        pending = []
+        for r in self._pending:
+            if r.state.finished:
+                continue
+            if r.last_heartbeat is None or r.last_heartbeat <= self._adopted_at:
+                pending.append(r)
+            else:  # its first request since (a later one may have come since: within a tick)
+                self._last = max(self._last, r.last_heartbeat)
+        self._pending = pending
+        return None if pending else self._last - self._driver_started

@@ -445,3 +445,15 @@ def test_a_snapshot_read_under_the_lock_is_the_state_of_then(tmp_path):
     writer.submit(snap.state)
     writer.close()
     assert dataclass_without_time(directory.load()) == dataclass_without_time(before)
+
+
+def test_the_adoption_time_is_the_last_arrival_not_when_the_loop_looked():
+    reg = Registry(clock=lambda: 0.0)
+    with reg.cond:
+        records = [reg.add_worker(f"a[{i}]#{i}", SlotKey("a", i)) for i in range(2)]
+    watch = adoption.AdoptionWatch(records, adopted_at=10.0, driver_started=9.5)
+    records[0].last_heartbeat = 10.2
+    assert watch.check(10.25) is None
+    records[1].last_heartbeat = 10.4
+    records[0].last_heartbeat = 10.45  # its next request, before the loop looks again
+    assert watch.check(10.5) == pytest.approx(10.4 - 9.5)
