@@ -271,28 +271,42 @@ SAVE_SHARE = 0.1
 
 
 class SavePacing:
-    """When the driver saves its state: at once when the round or the generation changed
-    (what a restart must not get wrong), else no sooner than the last save's cost divided by
-    ``SAVE_SHARE`` after it (immediately at tens of workers; ~1.5 s apart at 4,096).
+    """When the driver saves its state: no sooner than the last save's cost divided by
+    ``SAVE_SHARE`` after it (immediately at tens of workers; ~1 s apart at 4,096). A new
+    round (or generation) likewise waits that long after it changed, not after the last
+    save: it is announced first, as every member asks for it at once, the service's busiest
+    moment, which a save (its CPU, in a thread of the same process) would slow down. Nothing
+    needs it on disk sooner: a driver that dies before it is saved leaves a successor that
+    the workers tell of it, and that re-forms past it (``Registry._note_ahead``).
     A change not saved yet stays due: the loop asks again every turn."""
 
     def __init__(self, share: float = SAVE_SHARE) -> None:
         self._share = share
         self._pending = False
         self._next = 0.0
+        self._wait = 0.0  # the last save's cost / share
         self._saved_round: tuple[int, int] | None = None
+        self._new_round: tuple[tuple[int, int], float] | None = None  # (round key, when first seen)
 
     def changed(self) -> None:
         self._pending = True
 
     def due(self, now: float, round_key: tuple[int, int]) -> bool:
-        return self._pending and (round_key != self._saved_round or now >= self._next)
+        if not self._pending:
+            return False
+        if round_key == self._saved_round:
+            return now >= self._next
+        if self._new_round is None or self._new_round[0] != round_key:
+            self._new_round = (round_key, now)
+        return now >= self._new_round[1] + self._wait
 
     def saved(self, now: float, round_key: tuple[int, int], cost: float) -> None:
-        """A save was handed over at ``now``; it took ``cost`` s (capture + the last write)."""
+        """A save was handed over at ``now``; it took ``cost`` s (reading + the last write)."""
         self._pending = False
         self._saved_round = round_key
-        self._next = now + cost / self._share
+        self._new_round = None
+        self._wait = cost / self._share
+        self._next = now + self._wait
 
 
 # How far a worker's clock may lag the driver's: an adopting driver accepts requests signed

@@ -313,21 +313,25 @@ def test_an_adopting_driver_refuses_requests_signed_before_it_started():
         srv.close()
 
 
-def test_saves_are_paced_by_their_cost_except_when_the_round_changes():
-    """At 4,096 workers a save costs ~0.15 s: after every pass it starved the service."""
+def test_saves_are_paced_by_their_cost_a_new_round_after_its_announcement():
+    """At 4,096 workers a save costs ~0.1 s: after every pass it starved the service."""
     pacing = adoption.SavePacing(share=0.1)
     assert not pacing.due(0.0, (1, 0))  # nothing changed: nothing to save
     pacing.changed()
-    assert pacing.due(0.0, (1, 0))
+    assert pacing.due(0.0, (1, 0))  # the first: at once
     pacing.saved(0.0, (1, 0), cost=0.05)  # the next one no sooner than 0.5 s later
     pacing.changed()
     assert not pacing.due(0.2, (1, 0))
     assert pacing.due(0.5, (1, 0))  # still due: the loop saves it on a later turn
-    # A new round (or generation) is saved at once: a restart must not adopt the one before.
-    assert pacing.due(0.2, (2, 0)) and pacing.due(0.2, (1, 1))
-    pacing.saved(0.2, (2, 0), cost=0.0001)
+    # A new round (or generation): 0.5 s after it was first seen, not after the last save,
+    # so that the save does not compete with the round's announcement.
+    assert not pacing.due(0.4, (2, 0))
+    assert not pacing.due(0.8, (2, 0)) and pacing.due(0.9, (2, 0))
+    assert not pacing.due(0.95, (2, 1)) and pacing.due(1.45, (2, 1))  # another one since: from then
+    pacing.saved(1.45, (2, 1), cost=0.0001)
     pacing.changed()
-    assert pacing.due(0.2011, (2, 0))  # cheap saves (tens of workers): after every pass
+    assert pacing.due(1.4511, (2, 1))  # cheap saves (tens of workers): after every pass
+    assert not pacing.due(1.4511, (3, 1)) and pacing.due(1.4522, (3, 1))  # a new round, a millisecond on
 
 
 def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
