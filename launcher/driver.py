@@ -875,9 +875,16 @@ class Driver:
                 log.info("Serving on %s: the previous driver's address %s is not one of this machine's; its "
                          "workers find this driver through %s.", self._address, state.address,
                          keeping.dir.url_file)
+        started = time.perf_counter()
         with self._registry.cond:
             restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of,  # type: ignore[arg-type]
                                         self._clock())
+            current = self._registry.round
+            # What is on disk is what was just restored: the next save waits its window (as
+            # after a save as costly), not the adopted fleet's first requests, the service's
+            # busiest moment after a restart.
+            self._save_pacing.saved(self._clock(), (current.number if current else 0, self._registry.generation),
+                                    time.perf_counter() - started)
         self._processes.update(restored.processes)
         # What the previous driver was waiting out: spares stay spares, a preempted slot
         # keeps the rest of its hold, the workers after training returned the rest of
