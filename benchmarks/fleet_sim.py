@@ -187,6 +187,11 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
             proc = psutil.Process(driver.pid)
             if result.get("adoption_s") is None:
                 return result
+            if simulator_gc == "frozen":
+                # The fleet's new connections to the new driver are its long-lived heap now,
+                # as the first round's were (4,096 processes would not walk each other's).
+                gc.collect()
+                freeze_simulator_heap()
         # A loss: one worker of the last host (its slot alone is blacklisted: its siblings
         # train on, so the new round has every other worker).
         last_host = f"sim-{(n + SLOTS_PER_HOST - 1) // SLOTS_PER_HOST - 1:04d}"
