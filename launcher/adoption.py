@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from lightning_elastic.launcher.history import BoundedHistory
 from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
 from lightning_elastic.launcher.processes.base import WorkerProcess
@@ -44,6 +45,30 @@ class Counters:
     blacklisted: tuple[str, ...]
     departures: tuple[str, ...]
     outages: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class Tally:
+    """What the job summary counts, as the driver keeps it (the decision loop's alone, under
+    its lock): one structure, so that what a restart carries over (``counters``, ``of``)
+    is not a list of the driver's fields to keep in step."""
+
+    next_worker: int = 0  # the next worker's number (ids are never reused)
+    rounds: BoundedHistory[int] = dataclasses.field(default_factory=BoundedHistory)  # each round's world size
+    failures: BoundedHistory[str] = dataclasses.field(default_factory=BoundedHistory)
+    blacklisted: list[str] = dataclasses.field(default_factory=list)  # hosts, in order
+    departures: BoundedHistory[str] = dataclasses.field(default_factory=BoundedHistory)
+    outages: list[str] = dataclasses.field(default_factory=list)  # one line per driver restart
+
+    def counters(self) -> Counters:
+        return Counters(self.next_worker, tuple(self.rounds), tuple(self.failures), tuple(self.blacklisted),
+                        tuple(self.departures), tuple(self.outages))
+
+    @classmethod
+    def of(cls, state: JobState) -> Tally:
+        """The previous driver's, from its saved state (what it kept of each history)."""
+        return cls(state.next_worker, BoundedHistory.of(state.rounds), BoundedHistory.of(state.failures),
+                   list(state.blacklisted), BoundedHistory.of(state.departures), list(state.outages))
 
 
 @dataclasses.dataclass(frozen=True)

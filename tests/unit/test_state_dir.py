@@ -461,3 +461,16 @@ def test_the_adoption_time_is_the_last_arrival_not_when_the_loop_looked():
     records[1].last_heartbeat = 10.4
     records[0].last_heartbeat = 10.45  # its next request, before the loop looks again
     assert watch.check(10.5) == pytest.approx(10.4 - 9.5)
+
+
+def test_the_summary_counts_survive_a_restart_as_one_structure(tmp_path):
+    reg, hosts, target, procs = a_job(tmp_path)
+    tally = adoption.Tally(next_worker=3)
+    tally.rounds.append(2)
+    tally.failures.append("worker a[1]#1 was killed by SIGKILL")
+    tally.blacklisted.append("b")
+    tally.departures.append("worker a[0]#0 left on a preemption notice")
+    tally.outages.append("driver restarted after 5.0 s without one")
+    directory = StateDir(tmp_path)
+    directory.save(adoption.capture("h", 1, reg, procs, target, False, hosts, tally.counters()))
+    assert adoption.Tally.of(directory.load()).counters() == tally.counters()
