@@ -252,6 +252,11 @@ class Driver:
                 [h.host for h in usable], self._is_local, self._config.driver_address, self._config.network_interface
             )
             if self._adopting:
+                self._adopt_address()
+                # Listening first: a worker that retries meanwhile waits in the kernel's
+                # queue for the restore (0.1-0.2 s at 4,096), instead of being refused and
+                # retrying up to 0.5 s later.
+                self._listen()
                 self._adopt()  # before the service: the workers' first requests must find them known
             self._start_services()
             self._gc.start()
@@ -286,7 +291,7 @@ class Driver:
         with self._registry.cond:
             self._registry.cond.notify_all()
 
-    def _start_services(self) -> None:
+    def _listen(self) -> None:
         """One listening socket, on the job's address only: the signed rendezvous service,
         which also serves the process-group store (see launcher/store_service.py)."""
         workers = self._config.max_np + self._config.spares
@@ -303,11 +308,18 @@ class Driver:
                                         listen_queue=listen_queue_for(workers), limits=limits_for(workers),
                                         port=port or 0, not_before=not_before)
         try:
-            self._server.start()
+            self._server.listen()
         except OSError as err:
             if port:
                 raise ConfigError(f"--port: cannot serve on {self._address}:{port}: {err.strerror or err}") from None
             raise ConfigError(f"cannot serve on {self._address}: {err.strerror or err}") from None
+
+    def _start_services(self) -> None:
+        """Serve on the socket ``_listen`` opened (opened here unless an adoption did)."""
+        if self._server is None:
+            self._listen()
+        assert self._server is not None
+        self._server.start()
         log.info("Rendezvous service and process-group store at %s.", self._server.url)
         if self._keeping is not None:
             # Workers that cannot reach their driver look here (another address, another
@@ -851,9 +863,8 @@ class Driver:
             self._announced_for is not None, self._hosts, self._tally.counters(),
             adoption.Waits(self._standby, tuple(self._held_until.items()), self._first_exit), self._clock()).state)
 
-    def _adopt(self) -> None:
-        """Take over the job a previous driver left in the state dir: its workers, its
-        round (not re-formed), its blacklist and counters."""
+    def _adopt_address(self) -> None:
+        """Serve where the previous driver did, if this machine has its address."""
         keeping = self._keeping
         assert keeping is not None and keeping.previous is not None
         state = keeping.previous
@@ -866,6 +877,13 @@ class Driver:
                 log.info("Serving on %s: the previous driver's address %s is not one of this machine's; its "
                          "workers find this driver through %s.", self._address, state.address,
                          keeping.dir.url_file)
+
+    def _adopt(self) -> None:
+        """Take over the job a previous driver left in the state dir: its workers, its
+        round (not re-formed), its blacklist and counters."""
+        keeping = self._keeping
+        assert keeping is not None and keeping.previous is not None
+        state = keeping.previous
         started = time.perf_counter()
         with self._registry.cond:
             restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of,  # type: ignore[arg-type]
