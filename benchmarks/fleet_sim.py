@@ -116,14 +116,15 @@ async def store_phase(sim: Simulator, proc: psutil.Process, pattern: str, n: int
 
 async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: float | None,
                   store_patterns: tuple[str, ...] = (), gloo_max: int = 0,
-                  simulator_gc: str = "frozen", outage: float | None = None) -> dict[str, Any]:
+                  simulator_gc: str = "frozen", outage: float | None = None,
+                  keep_state: bool = False) -> dict[str, Any]:
     sim = Simulator()
     own_gc = GcPauses()
     control = workdir / f"control-{n}.sock"
     server = await sim.serve(str(control))
     log_path = workdir / f"driver-{n}.log"
     overflows_before = listen_overflows()
-    state_dir = None if outage is None else workdir / f"state-{n}"
+    state_dir = None if outage is None and not keep_state else workdir / f"state-{n}"
     log_path.write_bytes(b"")
 
     async def spawn_driver() -> asyncio.subprocess.Process:
@@ -180,11 +181,17 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
         result["heartbeat_overhead_ms_p50"] = None if not overheads else 1000 * statistics.median(overheads)
         result["heartbeat_overhead_ms_p99"] = None if not overheads else 1000 * percentile(overheads, 0.99)
         result["heartbeats_in_steady"] = len(overheads)
-        if state_dir is not None:
+        if outage is not None:
+            assert state_dir is not None
             driver = await restart_driver(sim, driver, spawn_driver, state_dir, log_path, n, outage, bound, result)
             proc = psutil.Process(driver.pid)
             if result.get("adoption_s") is None:
                 return result
+            if simulator_gc == "frozen":
+                # The fleet's new connections to the new driver are its long-lived heap now,
+                # as the first round's were (4,096 processes would not walk each other's).
+                gc.collect()
+                freeze_simulator_heap()
         # A loss: one worker of the last host (its slot alone is blacklisted: its siblings
         # train on, so the new round has every other worker).
         last_host = f"sim-{(n + SLOTS_PER_HOST - 1) // SLOTS_PER_HOST - 1:04d}"
@@ -388,7 +395,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(f"N = {n}, heartbeat interval {interval or 'default'} ...", file=sys.stderr, flush=True)
                 results.append(await run_one(n, args.steady, args.bound, workdir, interval,
                                              args.store_patterns, args.gloo_max, args.simulator_gc,
-                                             args.outage if args.adoption else None))
+                                             args.outage if args.adoption else None, args.state_dir))
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
     return results
 
@@ -432,6 +439,9 @@ def main() -> None:
                              "simulated worker at once)")
     parser.add_argument("--adoption", action="store_true",
                         help="restart the driver after the steady phase (--state-dir) and measure the adoption")
+    parser.add_argument("--state-dir", action="store_true",
+                        help="run the driver with --state-dir, without restarting it (what keeping the "
+                             "state costs; --adoption implies it)")
     parser.add_argument("--outage", type=float, default=5.0, help="seconds without a driver (with --adoption)")
     parser.add_argument("--somaxconn", type=int,
                         help="raise the kernel's listen-queue cap (net.core.somaxconn, root) for the run")

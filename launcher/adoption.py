@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from lightning_elastic.launcher.history import BoundedHistory
 from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey
 from lightning_elastic.launcher.processes.base import WorkerProcess
@@ -31,7 +32,7 @@ from lightning_elastic.launcher.state_dir import (
     TargetEntry,
     WorkerEntry,
 )
-from lightning_elastic.protocol import Outcome, Report
+from lightning_elastic.protocol import Assignment, Outcome, Report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,30 @@ class Counters:
     outages: tuple[str, ...]
 
 
+@dataclasses.dataclass
+class Tally:
+    """What the job summary counts, as the driver keeps it (the decision loop's alone, under
+    its lock): one structure, so that what a restart carries over (``counters``, ``of``)
+    is not a list of the driver's fields to keep in step."""
+
+    next_worker: int = 0  # the next worker's number (ids are never reused)
+    rounds: BoundedHistory[int] = dataclasses.field(default_factory=BoundedHistory)  # each round's world size
+    failures: BoundedHistory[str] = dataclasses.field(default_factory=BoundedHistory)
+    blacklisted: list[str] = dataclasses.field(default_factory=list)  # hosts, in order
+    departures: BoundedHistory[str] = dataclasses.field(default_factory=BoundedHistory)
+    outages: list[str] = dataclasses.field(default_factory=list)  # one line per driver restart
+
+    def counters(self) -> Counters:
+        return Counters(self.next_worker, tuple(self.rounds), tuple(self.failures), tuple(self.blacklisted),
+                        tuple(self.departures), tuple(self.outages))
+
+    @classmethod
+    def of(cls, state: JobState) -> Tally:
+        """The previous driver's, from its saved state (what it kept of each history)."""
+        return cls(state.next_worker, BoundedHistory.of(state.rounds), BoundedHistory.of(state.failures),
+                   list(state.blacklisted), BoundedHistory.of(state.departures), list(state.outages))
+
+
 @dataclasses.dataclass(frozen=True)
 class Waits:
     """What the driver is waiting out, in the driver's clock (``time.monotonic``): carried
@@ -54,6 +79,15 @@ class Waits:
     standby: tuple[SlotKey, ...] = ()  # hot spares' slots (--spares)
     held_until: tuple[tuple[SlotKey, float], ...] = ()  # a preempted slot, the end of its hold
     first_exit: tuple[float, str] | None = None  # (since, worker): training returned, it exited
+
+
+# A save is handed to the writer thread and never waited for: the driver may announce a round
+# (or a generation) that is not on disk yet. Each save reserves this many more of both; an
+# adopting driver that finds its workers ahead of its saved round jumps past the reserve
+# (``Registry.note_ahead``), which holds unless this many changes were announced while one
+# save was being written (one save takes 0.1-0.2 s at 4,096 workers; one change, a decision
+# pass and the workers' answers, takes longer).
+RESERVED_CHANGES = 64
 
 
 def capture(
@@ -68,59 +102,126 @@ def capture(
     waits: Waits = Waits(),
     now: float | None = None,
 ) -> JobState:
-    """The state a restarted driver needs, now (driver lock held; O(workers))."""
+    """The state a restarted driver needs, now (driver lock held)."""
+    return snapshot(address, port, registry, processes, target, announced, hosts, counters, waits, now).state()
+
+
+# One worker as read under the lock: (id, slot, its process, joined, member of the current
+# round, assignment, report, leave, ended state or "", standby). Only references to values
+# that are never changed in place (assignments, reports, slots are frozen): the record may
+# change after, the row does not.
+_Row = tuple[str, SlotKey, "WorkerProcess | None", bool, bool, "Assignment | None", "Report | None", bool, str, bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The job's state as read under the driver's lock, as cheaply as it can be read (a
+    tuple of references per worker, ~2 ms at 4,096 workers); ``state()`` builds the
+    ``JobState`` from it, in the writer thread (~15 ms at 4,096 workers), so that a save
+    holds the lock, and so delays the announcement of the round it saves, no longer than
+    the reading."""
+
+    address: str
+    port: int
+    next_worker: int
+    generation: int
+    round: RoundInfo | None
+    broken_rounds: tuple[int, ...]
+    rows: tuple[_Row, ...]
+    target: tuple[SlotAssignment, ...]
+    announced: bool
+    counters: Counters
+    blacklist: tuple[tuple[str, int | None, int, float | None], ...]
+    waits: Waits
+    now: float
+
+    def state(self) -> JobState:
+        workers = []
+        for worker_id, slot, proc, joined, member, assignment, report, leave, finished, standby in self.rows:
+            # (pid, start ticks) of what outlives the driver; None: nothing can be adopted.
+            pid, ticks = getattr(proc, "adoptable", None) or (0, 0)
+            log_file = getattr(proc, "log_file", None)
+            workers.append(WorkerEntry(
+                worker_id=worker_id,
+                host=slot.host,
+                local_rank=slot.local_rank,
+                pid=pid,
+                start_ticks=ticks,
+                joined=joined,
+                member=member,
+                assignment=assignment,  # immutable: shared, serialized by the writer thread
+                reported=report.outcome.value if report else "",
+                reported_round=report.round if report else 0,
+                report_message=report.message if report else "",
+                leave=leave,
+                log_file=str(log_file) if log_file else "",
+                finished=finished,
+                standby=standby,
+            ))
+        current, counters, waits, now = self.round, self.counters, self.waits, self.now
+        return JobState(
+            address=self.address,
+            port=self.port,
+            next_worker=counters.next_worker,
+            generation=self.generation,
+            round=RoundEntry(current.number, current.generation, current.members) if current else None,
+            broken_rounds=self.broken_rounds,
+            workers=tuple(workers),
+            target=tuple(TargetEntry(a.slot.host, a.slot.local_rank, a.rank, a.size, a.local_size, a.cross_rank,
+                                     a.cross_size) for a in self.target),
+            announced=self.announced,
+            rounds=counters.rounds,
+            failures=counters.failures,
+            blacklisted=counters.blacklisted,
+            blacklist=tuple(BlacklistEntry(*entry) for entry in self.blacklist),
+            departures=counters.departures,
+            outages=counters.outages,
+            saved_at=time.time(),
+            standby=waits.standby,
+            holds=tuple(HoldEntry(slot.host, slot.local_rank, until - now) for slot, until in waits.held_until
+                        if until > now),
+            first_exit=FirstExitEntry(waits.first_exit[1], now - waits.first_exit[0]) if waits.first_exit else None,
+            reserved_round=(current.number if current else 0) + RESERVED_CHANGES,
+            reserved_generation=self.generation + RESERVED_CHANGES,
+        )
+
+
+def snapshot(
+    address: str,
+    port: int,
+    registry: Registry,
+    processes: Mapping[str, WorkerProcess],
+    target: Sequence[SlotAssignment],
+    announced: bool,
+    hosts: HostManager,
+    counters: Counters,
+    waits: Waits = Waits(),
+    now: float | None = None,
+) -> Snapshot:
+    """Read the state a restarted driver needs (driver lock held; O(workers), references only)."""
     current = registry.round
-    records = registry.live_workers()
+    number = current.number if current is not None else -1
+    member_state = WorkerState.MEMBER
+    get = processes.get
+    rows: list[_Row] = []
+    for record in registry.workers.values():
+        state = record.state
+        if state.finished:
+            continue
+        a = record.assignment
+        rows.append((record.worker_id, record.slot, get(record.worker_id), record.joined,
+                     state is member_state and a is not None and a.round == number,
+                     a, record.report, record.leave, "", record.standby))
     if current is not None:  # its finished members too: the round names them
-        records += [registry.workers[m] for m in current.members if registry.workers[m].state.finished]
-    workers = []
-    for record in records:
-        proc = processes.get(record.worker_id)
-        # (pid, start ticks) of what outlives the driver; None: nothing can be adopted.
-        pid, ticks = getattr(proc, "adoptable", None) or (0, 0)
-        log_file = getattr(proc, "log_file", None)
-        report = record.report
-        workers.append(WorkerEntry(
-            worker_id=record.worker_id,
-            host=record.slot.host,
-            local_rank=record.slot.local_rank,
-            pid=pid,
-            start_ticks=ticks,
-            joined=record.joined,
-            member=registry.current_member(record),
-            assignment=record.assignment,  # immutable: shared, serialized by the writer thread
-            reported=report.outcome.value if report else "",
-            reported_round=report.round if report else 0,
-            report_message=report.message if report else "",
-            leave=record.leave,
-            log_file=str(log_file) if log_file else "",
-            finished=record.state.value if record.state.finished else "",
-            standby=record.standby,
-        ))
-    now = time.monotonic() if now is None else now
-    return JobState(
-        address=address,
-        port=port,
-        next_worker=counters.next_worker,
-        generation=registry.generation,
-        round=RoundEntry(current.number, current.generation, current.members) if current else None,
-        broken_rounds=tuple(sorted(registry.broken_rounds)),
-        workers=tuple(workers),
-        target=tuple(TargetEntry(a.slot.host, a.slot.local_rank, a.rank, a.size, a.local_size, a.cross_rank,
-                                 a.cross_size) for a in target),
-        announced=announced,
-        rounds=counters.rounds,
-        failures=counters.failures,
-        blacklisted=counters.blacklisted,
-        blacklist=tuple(BlacklistEntry(*entry) for entry in hosts.blacklist_entries()),
-        departures=counters.departures,
-        outages=counters.outages,
-        saved_at=time.time(),
-        standby=waits.standby,
-        holds=tuple(HoldEntry(slot.host, slot.local_rank, until - now) for slot, until in waits.held_until
-                    if until > now),
-        first_exit=FirstExitEntry(waits.first_exit[1], now - waits.first_exit[0]) if waits.first_exit else None,
-    )
+        for worker_id in current.members:
+            record = registry.workers[worker_id]
+            if record.state.finished:
+                rows.append((worker_id, record.slot, get(worker_id), record.joined, False, record.assignment,
+                             record.report, record.leave, record.state.value, record.standby))
+    return Snapshot(
+        address, port, counters.next_worker, registry.generation, current, tuple(sorted(registry.broken_rounds)),
+        tuple(rows), tuple(target), announced, counters, tuple(hosts.blacklist_entries()), waits,
+        time.monotonic() if now is None else now)
 
 
 @dataclasses.dataclass
@@ -166,6 +267,8 @@ def restore(
         else:
             ended += 1
     registry.generation = state.generation
+    registry.reserved = (max(state.reserved_round, state.round.number if state.round else 0),
+                         max(state.reserved_generation, state.generation))
     registry.broken_rounds = set(state.broken_rounds)
     if state.round is not None:
         members = state.round.members
@@ -193,28 +296,42 @@ SAVE_SHARE = 0.1
 
 
 class SavePacing:
-    """When the driver saves its state: at once when the round or the generation changed
-    (what a restart must not get wrong), else no sooner than the last save's cost divided by
-    ``SAVE_SHARE`` after it (immediately at tens of workers; ~1.5 s apart at 4,096).
+    """When the driver saves its state: no sooner than the last save's cost divided by
+    ``SAVE_SHARE`` after it (immediately at tens of workers; ~1 s apart at 4,096). A new
+    round (or generation) likewise waits that long after it changed, not after the last
+    save: it is announced first, as every member asks for it at once, the service's busiest
+    moment, which a save (its CPU, in a thread of the same process) would slow down. Nothing
+    needs it on disk sooner: a driver that dies before it is saved leaves a successor that
+    the workers tell of it, and that re-forms past it (``Registry._note_ahead``).
     A change not saved yet stays due: the loop asks again every turn."""
 
     def __init__(self, share: float = SAVE_SHARE) -> None:
         self._share = share
         self._pending = False
         self._next = 0.0
+        self._wait = 0.0  # the last save's cost / share
         self._saved_round: tuple[int, int] | None = None
+        self._new_round: tuple[tuple[int, int], float] | None = None  # (round key, when first seen)
 
     def changed(self) -> None:
         self._pending = True
 
     def due(self, now: float, round_key: tuple[int, int]) -> bool:
-        return self._pending and (round_key != self._saved_round or now >= self._next)
+        if not self._pending:
+            return False
+        if round_key == self._saved_round:
+            return now >= self._next
+        if self._new_round is None or self._new_round[0] != round_key:
+            self._new_round = (round_key, now)
+        return now >= self._new_round[1] + self._wait
 
     def saved(self, now: float, round_key: tuple[int, int], cost: float) -> None:
-        """A save was handed over at ``now``; it took ``cost`` s (capture + the last write)."""
+        """A save was handed over at ``now``; it took ``cost`` s (reading + the last write)."""
         self._pending = False
         self._saved_round = round_key
-        self._next = now + cost / self._share
+        self._new_round = None
+        self._wait = cost / self._share
+        self._next = now + self._wait
 
 
 # How far a worker's clock may lag the driver's: an adopting driver accepts requests signed
@@ -260,10 +377,19 @@ class AdoptionWatch:
         self._pending = list(records)
         self._adopted_at = adopted_at
         self._driver_started = driver_started
+        self._last = adopted_at  # the latest arrival seen so far
 
     def check(self, now: float) -> float | None:
         """Seconds from the driver's start to the last adopted worker's arrival, once all have
-        arrived (or ended); else None. O(workers not yet arrived): asked every tick until then."""
-        self._pending = [r for r in self._pending if not r.state.finished
-                         and (r.last_heartbeat is None or r.last_heartbeat <= self._adopted_at)]
-        return None if self._pending else now - self._driver_started
+        arrived (or ended); else None. O(workers not yet arrived): asked every tick until then.
+        The arrival's own time, not this check's: the loop may look a tick later."""
+        pending = []
+        for r in self._pending:
+            if r.state.finished:
+                continue
+            if r.last_heartbeat is None or r.last_heartbeat <= self._adopted_at:
+                pending.append(r)
+            else:  # its first request since (a later one may have come since: within a tick)
+                self._last = max(self._last, r.last_heartbeat)
+        self._pending = pending
+        return None if pending else self._last - self._driver_started

@@ -185,7 +185,7 @@ class Driver:
         self._keeping = keeping
         self._adopting = keeping is not None and keeping.previous is not None
         self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
-        self._outages: list[str] = []
+        self._tally = adoption.Tally()  # what the summary counts: carried across restarts
         self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
         self._save_pacing = adoption.SavePacing()
         self._server: RendezvousServer | None = None
@@ -207,13 +207,8 @@ class Driver:
         self._waiting_said_at = 0.0  # when the last "waiting for slots" line was logged
         # A fixed host list never grows; with no cooldown a blacklisted host never returns.
         self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
-        self._next_worker = 0
         self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
-        self._rounds: BoundedHistory[int] = BoundedHistory()  # each round's world size
-        self._failures: BoundedHistory[str] = BoundedHistory()
-        self._blacklisted: list[str] = []
         self._failure_of: dict[str, str] = {}
-        self._departures: BoundedHistory[str] = BoundedHistory()
         self._held_until: dict[SlotKey, float] = {}  # slot left on a preemption notice -> end of its hold
         self._first_exit: tuple[float, str] | None = None  # when and who, once training has returned
         self._refused_hosts: set[str] = set()
@@ -257,6 +252,11 @@ class Driver:
                 [h.host for h in usable], self._is_local, self._config.driver_address, self._config.network_interface
             )
             if self._adopting:
+                self._adopt_address()
+                # Listening first: a worker that retries meanwhile waits in the kernel's
+                # queue for the restore (0.1-0.2 s at 4,096), instead of being refused and
+                # retrying up to 0.5 s later.
+                self._listen()
                 self._adopt()  # before the service: the workers' first requests must find them known
             self._start_services()
             self._gc.start()
@@ -291,7 +291,7 @@ class Driver:
         with self._registry.cond:
             self._registry.cond.notify_all()
 
-    def _start_services(self) -> None:
+    def _listen(self) -> None:
         """One listening socket, on the job's address only: the signed rendezvous service,
         which also serves the process-group store (see launcher/store_service.py)."""
         workers = self._config.max_np + self._config.spares
@@ -308,11 +308,18 @@ class Driver:
                                         listen_queue=listen_queue_for(workers), limits=limits_for(workers),
                                         port=port or 0, not_before=not_before)
         try:
-            self._server.start()
+            self._server.listen()
         except OSError as err:
             if port:
                 raise ConfigError(f"--port: cannot serve on {self._address}:{port}: {err.strerror or err}") from None
             raise ConfigError(f"cannot serve on {self._address}: {err.strerror or err}") from None
+
+    def _start_services(self) -> None:
+        """Serve on the socket ``_listen`` opened (opened here unless an adoption did)."""
+        if self._server is None:
+            self._listen()
+        assert self._server is not None
+        self._server.start()
         log.info("Rendezvous service and process-group store at %s.", self._server.url)
         if self._keeping is not None:
             # Workers that cannot reach their driver look here (another address, another
@@ -393,19 +400,19 @@ class Driver:
         return JobResult(
             success=verdict.success,
             reason=verdict.reason,
-            rounds=tuple(self._rounds),
-            rounds_omitted=self._rounds.omitted,
-            failures=tuple(self._failures),
-            failures_omitted=self._failures.omitted,
-            blacklisted=tuple(self._blacklisted),
+            rounds=tuple(self._tally.rounds),
+            rounds_omitted=self._tally.rounds.omitted,
+            failures=tuple(self._tally.failures),
+            failures_omitted=self._tally.failures.omitted,
+            blacklisted=tuple(self._tally.blacklisted),
             duration=self._clock() - self._started_at,
             rejected_requests=self._server.rejected if self._server else 0,
-            departures=tuple(self._departures),
-            departures_omitted=self._departures.omitted,
+            departures=tuple(self._tally.departures),
+            departures_omitted=self._tally.departures.omitted,
             refused=refused,
             resumed_from=str(self._resume.found.path) if self._resume and self._resume.found else "",
             snapshots=snapshots.totals(self._registry.workers.values()) if self._config.snapshots else None,
-            outages=tuple(self._outages),
+            outages=tuple(self._tally.outages),
             handed_over=self._handed_over,
         )
 
@@ -556,8 +563,8 @@ class Driver:
     # ----- workers --------------------------------------------------------------------
 
     def _spawn(self, slot: SlotAssignment) -> None:
-        number = self._next_worker
-        self._next_worker += 1
+        number = self._tally.next_worker
+        self._tally.next_worker += 1
         worker_id = f"{slot.slot}#{number}"
         record = self._registry.add_worker(worker_id, slot.slot)
         assert self._server is not None
@@ -689,7 +696,7 @@ class Driver:
             elif outcome == p.Outcome.REMOVED:
                 record.state = WorkerState.REMOVED
                 if record.departing:
-                    self._departures.append(f"worker {record.worker_id} left on {record.departing}")
+                    self._tally.departures.append(f"worker {record.worker_id} left on {record.departing}")
                     self._held_until[record.slot] = now + self._config.timeouts.preemption_grace
                     log.info("Worker %s left the job on %s; host %s stays usable.",
                              record.worker_id, record.departing, record.slot.host)
@@ -745,7 +752,7 @@ class Driver:
         if status == 0 and not record.joined and not self._never_joined:
             self._never_joined = text
         self._failure_of[record.worker_id] = text
-        self._failures.append(text)
+        self._tally.failures.append(text)
         log.warning("Worker %s %s.", record.worker_id, how)
         self._events.emit("worker_failed", worker=record.worker_id, host=record.slot.host, reason=text)
         round_ = self._registry.round
@@ -758,8 +765,8 @@ class Driver:
             # A slot, or the whole host when the failure says the machine is bad (see
             # HostManager.record_failure): a sibling's death never stops healthy workers.
             taken = self._hosts.record_failure(record.slot, host_failed=bool(detail))
-            if taken.name not in self._blacklisted:
-                self._blacklisted.append(taken.name)
+            if taken.name not in self._tally.blacklisted:
+                self._tally.blacklisted.append(taken.name)
             if taken.whole_host:
                 self._events.emit("host_blacklisted", host=host, reason=text)
                 log.warning("Blacklisted host %s %s: %s.", host, taken.describe(), taken.why)
@@ -850,18 +857,14 @@ class Driver:
         """Hand the job's state to the writer thread."""
         if self._keeping is None or self._server is None:
             return
-        self._keeping.writer.submit(adoption.capture(
+        # Read under the lock (references only), built and written by the writer thread.
+        self._keeping.writer.submit(adoption.snapshot(
             self._address, self._server.port, self._registry, self._processes, self._target,
-            self._announced_for is not None, self._hosts, self._counters(),
-            adoption.Waits(self._standby, tuple(self._held_until.items()), self._first_exit), self._clock()))
+            self._announced_for is not None, self._hosts, self._tally.counters(),
+            adoption.Waits(self._standby, tuple(self._held_until.items()), self._first_exit), self._clock()).state)
 
-    def _counters(self) -> adoption.Counters:
-        return adoption.Counters(self._next_worker, tuple(self._rounds), tuple(self._failures),
-                                 tuple(self._blacklisted), tuple(self._departures), tuple(self._outages))
-
-    def _adopt(self) -> None:
-        """Take over the job a previous driver left in the state dir: its workers, its
-        round (not re-formed), its blacklist and counters."""
+    def _adopt_address(self) -> None:
+        """Serve where the previous driver did, if this machine has its address."""
         keeping = self._keeping
         assert keeping is not None and keeping.previous is not None
         state = keeping.previous
@@ -874,9 +877,23 @@ class Driver:
                 log.info("Serving on %s: the previous driver's address %s is not one of this machine's; its "
                          "workers find this driver through %s.", self._address, state.address,
                          keeping.dir.url_file)
+
+    def _adopt(self) -> None:
+        """Take over the job a previous driver left in the state dir: its workers, its
+        round (not re-formed), its blacklist and counters."""
+        keeping = self._keeping
+        assert keeping is not None and keeping.previous is not None
+        state = keeping.previous
+        started = time.perf_counter()
         with self._registry.cond:
             restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of,  # type: ignore[arg-type]
                                         self._clock())
+            current = self._registry.round
+            # What is on disk is what was just restored: the next save waits its window (as
+            # after a save as costly), not the adopted fleet's first requests, the service's
+            # busiest moment after a restart.
+            self._save_pacing.saved(self._clock(), (current.number if current else 0, self._registry.generation),
+                                    time.perf_counter() - started)
         self._processes.update(restored.processes)
         # What the previous driver was waiting out: spares stay spares, a preempted slot
         # keeps the rest of its hold, the workers after training returned the rest of
@@ -886,16 +903,12 @@ class Driver:
         self._first_exit = restored.waits.first_exit
         self._target = restored.target
         self._announced_for = membership.slots_of(self._target) if state.announced else None
-        self._next_worker = state.next_worker
-        self._rounds = BoundedHistory.of(state.rounds)  # what the previous driver kept of each
-        self._failures = BoundedHistory.of(state.failures)
-        self._blacklisted = list(state.blacklisted)
-        self._departures = BoundedHistory.of(state.departures)
+        self._tally = adoption.Tally.of(state)
         round_number = state.round.number if state.round else 0
         line = (f"driver restarted after {keeping.outage:.1f} s without one: adopted {restored.adopted} "
                 f"worker(s) in round {round_number}"
                 + (f"; {restored.ended} ended while no driver ran" if restored.ended else ""))
-        self._outages = [*state.outages, line]
+        self._tally.outages.append(line)
         log.info("Adopting the job in %s: %s.", keeping.dir.path, line)
         self._adoption_watch = adoption.AdoptionWatch(
             [self._registry.workers[w] for w, proc in restored.processes.items() if proc.poll() is None],
@@ -949,11 +962,11 @@ class Driver:
             available_slots=available,
             below_required_for=None if self._below_since is None else now - self._below_since,
             discovery_error=self._discovery_error,
-            last_failure=self._failures.last or "",
+            last_failure=self._tally.failures.last or "",
             repeated_error=reg.repeated_error,
             slots_can_grow=(available >= required or not self._fixed_hosts or bool(self._held_until)
                             or self._members_training()),
-            blacklisted=tuple(self._blacklisted),
+            blacklisted=tuple(self._tally.blacklisted),
             never_joined=self._never_joined if self._never_joined and not self._anyone_joined() else "",
         )
         return policy.decide_verdict(view, self._config.elastic_timeout)
@@ -966,7 +979,7 @@ class Driver:
     def _anyone_joined(self) -> bool:
         """Has any worker of the job reached the rendezvous (O(N): asked after a worker that
         never joined exited, not every pass)?"""
-        return bool(self._rounds) or any(w.joined for w in self._registry.workers.values())
+        return bool(self._tally.rounds) or any(w.joined for w in self._registry.workers.values())
 
     def _required_slots(self) -> int:
         return self._config.min_np if self._registry.round is not None else self._config.np
@@ -1057,7 +1070,7 @@ class Driver:
         if chosen is None:
             return None
         if reg.round is not None:
-            verdict = policy.check_reset_limit(self._rounds.total - 1, self._config.reset_limit)
+            verdict = policy.check_reset_limit(self._tally.rounds.total - 1, self._config.reset_limit)
             if verdict is not None:
                 return verdict
         assert self._server is not None
@@ -1072,7 +1085,7 @@ class Driver:
             self._kill_reasons.pop(worker_id, None)
             self._failure_of.pop(worker_id, None)
         self._invalidate_view()
-        self._rounds.append(len(members))
+        self._tally.rounds.append(len(members))
         self._announced_for = None
         self._reset_pending_since = None
         later = len(view.target) - len(members)

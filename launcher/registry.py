@@ -187,6 +187,11 @@ class Registry:
         # before then answers at once, so that its worker sends a fresh one.
         self._checking: CheckIn | None = None
         self._called_in_at = float("-inf")
+        # An adopting driver's only (None otherwise): the (round, generation) its predecessor
+        # may have announced unsaved (``JobState.reserved_*``); once a worker shows it knows
+        # more than the saved round (``_note_ahead``), the next ones are numbered past them.
+        self.reserved: tuple[int, int] | None = None
+        self._round_floor = 0
 
     # ----- driver side (call with self.cond held) -------------------------------------
 
@@ -272,7 +277,7 @@ class Registry:
     def form_round(
         self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]
     ) -> RoundInfo:
-        number = (self.round.number if self.round else 0) + 1
+        number = max(self.round.number if self.round else 0, self._round_floor) + 1
         for record, slot in members:
             record.assignment = Assignment(
                 round=number,
@@ -326,6 +331,7 @@ class Registry:
     def rendezvous_poll(self, request: RendezvousRequest, timeout: float = RENDEZVOUS_POLL) -> LongPoll[RendezvousReply]:
         with self.cond:
             record = self._get(request.worker_id)
+            self._note_ahead(record, round_number=request.after_round)
             now = self._clock()
             record.last_heartbeat = now
             if not (self._assigned_after(record, request.after_round) and not record.leave):
@@ -377,6 +383,33 @@ class Registry:
         ):
             self.mark_round_broken(current.number, f"worker {record.worker_id} left round {current.number}")
 
+    def _note_ahead(self, record: WorkerRecord, generation: int = 0, round_number: int = 0) -> None:
+        """A worker knows a generation or a round newer than this registry's.
+
+        Only an adopting driver (``--state-dir``) can see this: its predecessor announced a
+        change (a round, a host change) and died before the writer thread saved it, as a
+        save is never waited for. What the saved round says of its members is then stale,
+        a round numbered from it could reuse a number a worker already holds (it would
+        never take it: ``_assigned_after``), and a generation bump could stay below one the
+        workers know (they would not hear of it). So the saved round is broken, and the
+        round numbers and generations jump past every one the predecessor may have used
+        (``reserved``, and what the worker said): the workers re-form, as after a lost member.
+        """
+        if self.reserved is None:  # not adopted: every round and generation is this registry's own
+            return
+        current = self.round.number if self.round is not None else 0
+        if generation <= self.generation and round_number <= max(current, self._round_floor):
+            return
+        log.warning("Worker %s knows round %d / generation %d, newer than this driver's saved round %d / "
+                    "generation %d: the previous driver died before saving them; the workers re-form.",
+                    record.worker_id, round_number, generation, current, self.generation)
+        self._round_floor = max(self._round_floor, current, round_number, self.reserved[0])
+        self.generation = max(self.generation, generation, self.reserved[1])
+        if self.round is not None:
+            self.mark_round_broken(current, f"the previous driver's last change was not saved "
+                                            f"(worker {record.worker_id} knows round {round_number})")
+        self.bump_generation()
+
     @staticmethod
     def _assigned_after(record: WorkerRecord, after_round: int) -> bool:
         """Is ``record`` a member of a round newer than the last one it knows?"""
@@ -389,6 +422,7 @@ class Registry:
     def heartbeat_poll(self, request: HeartbeatRequest) -> LongPoll[HeartbeatReply]:
         with self.cond:
             record = self._get(request.worker_id)
+            self._note_ahead(record, generation=request.known_generation)
             arrived = record.last_heartbeat = self._clock()
             checking = self._checking
             if checking is not None and record.assignment is not None and record.assignment.round == checking.round:
@@ -426,6 +460,7 @@ class Registry:
         key = normalize_error(request.error[:MAX_ERROR_CHARS]) if request.error else ""
         with self.cond:
             record = self._get(request.worker_id)
+            self._note_ahead(record, round_number=request.round)
             record.asking_round = request.round
             self._asking.add(record.worker_id)
             now = record.last_heartbeat = self._clock()
@@ -538,6 +573,7 @@ class Registry:
     def report(self, report: Report) -> None:
         with self.cond:
             record = self._get(report.worker_id)
+            self._note_ahead(record, round_number=report.round)
             record.report = report
             if report.snapshots_written or report.snapshots_failed:
                 record.snapshots = (report.snapshots_written, report.snapshots_failed, report.snapshot_error[:200])

@@ -105,6 +105,7 @@ class RendezvousServer:
         self._clock = clock  # how long a nonce is remembered: immune to clock steps
         self._replays = ReplayGuard(forget_after=2 * TIMESTAMP_WINDOW)
         self._address: tuple[str, int] | None = None
+        self._sock: socket.socket | None = None  # listening (``listen``), served once started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waker: LoopWaker | None = None
         self._connections: set[HttpConnection] = set()
@@ -136,7 +137,10 @@ class RendezvousServer:
         assert self._address is not None, "start() first"
         return f"http://{self._address[0]}:{self._address[1]}"
 
-    def start(self) -> None:
+    def listen(self) -> None:
+        """Bind and listen, not serve yet: connections made meanwhile wait in the kernel's
+        queue (an adopting driver listens before it restores the job, so that a worker's
+        request then is answered a moment later rather than refused and retried)."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -146,6 +150,12 @@ class RendezvousServer:
             sock.close()
             raise
         self._address = sock.getsockname()[:2]
+        self._sock = sock
+
+    def start(self) -> None:
+        if self._sock is None:
+            self.listen()
+        sock = self._sock
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._waker = LoopWaker(loop)
@@ -174,6 +184,8 @@ class RendezvousServer:
 
     def close(self) -> None:
         if self._loop is None or self._thread is None:
+            if self._sock is not None:  # listened, never served
+                self._sock.close()
             return
         if not self._loop.is_closed():
             # Also right after start(): a stop queued before run_forever begins ends it at once.

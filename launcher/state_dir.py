@@ -35,6 +35,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from lightning_elastic.launcher.errors import ConfigError
@@ -45,6 +46,7 @@ log = logging.getLogger("lightning_elastic.driver")
 
 STATE_VERSION = 1
 ALIVE_EVERY = 1.0  # seconds between touches of ``alive``
+_JSON_SLICE = 256  # workers per json.dumps call (~1-2 ms each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,17 +137,30 @@ class JobState:
     standby: tuple[SlotKey, ...] = ()  # the hot spares' slots (--spares)
     holds: tuple[HoldEntry, ...] = ()
     first_exit: FirstExitEntry | None = None
+    # Round numbers and generations the driver may have announced before its next save
+    # landed (saves are not waited for): a restarted driver that finds its workers ahead of
+    # ``round`` numbers its next round and generation past these (0: the saved ones).
+    reserved_round: int = 0
+    reserved_generation: int = 0
 
     def to_json(self) -> str:
-        """By hand, not ``dataclasses.asdict`` (which deep-copies): 4,096 workers in ~0.1 s."""
-        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """By hand, not ``dataclasses.asdict`` (which deep-copies): 4,096 workers in ~0.05 s.
+
+        The workers are encoded a slice at a time: ``json.dumps`` holds the GIL for as long
+        as it runs, and the writer thread shares it with the service answering the fleet
+        (one call over 4,096 workers held it ~20 ms at a stretch)."""
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "workers"}
         raw["round"] = _flat(self.round) if self.round else None
-        raw["workers"] = [{**_flat(w), "assignment": _flat(w.assignment) if w.assignment else None}
-                          for w in self.workers]
         for key in ("target", "blacklist", "standby", "holds"):
             raw[key] = [_flat(x) for x in raw[key]]
         raw["first_exit"] = _flat(self.first_exit) if self.first_exit else None
-        return json.dumps({"version": STATE_VERSION, **raw}, separators=(",", ":"))
+        head = json.dumps({"version": STATE_VERSION, **raw}, separators=(",", ":"))
+        slices = []
+        for start in range(0, len(self.workers), _JSON_SLICE):
+            entries = [{**_flat(w), "assignment": _flat(w.assignment) if w.assignment else None}
+                       for w in self.workers[start:start + _JSON_SLICE]]
+            slices.append(json.dumps(entries, separators=(",", ":"))[1:-1])
+        return f'{head[:-1]},"workers":[{",".join(slices)}]}}'
 
     @classmethod
     def from_json(cls, text: str) -> JobState:
@@ -292,17 +307,18 @@ class StateWriter:
     def __init__(self, state_dir: StateDir) -> None:
         self._dir = state_dir
         self._cond = threading.Condition()
-        self._pending: JobState | None = None
+        self._pending: JobState | Callable[[], JobState] | None = None
         self._closed = False
         self._failed = False
-        self.last_write_s = 0.0  # how long the last save took here (JSON + write): paces the next
+        self.last_write_s = 0.0  # how long the last save took here (state, JSON, write): paces the next
         self._thread = threading.Thread(target=self._run, name="state-writer", daemon=True)
 
     def start(self) -> None:
         self._dir.touch_alive()
         self._thread.start()
 
-    def submit(self, state: JobState) -> None:
+    def submit(self, state: JobState | Callable[[], JobState]) -> None:
+        """Save ``state``, or what it returns (called here: ``adoption.Snapshot.state``)."""
         with self._cond:
             self._pending = state
             self._cond.notify()
@@ -327,7 +343,7 @@ class StateWriter:
             try:
                 if state is not None:
                     started = time.perf_counter()
-                    self._dir.save(state)
+                    self._dir.save(state() if callable(state) else state)
                     self.last_write_s = time.perf_counter() - started
                 if time.monotonic() >= next_touch:
                     self._dir.touch_alive()

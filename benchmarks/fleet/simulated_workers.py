@@ -68,6 +68,11 @@ class Connection:
             raise DriverGone(f"{type(err).__name__}: {err}") from None
 
     async def _exchange(self, request: bytes, secret: str, nonce: str) -> tuple[int, bytes]:
+        if self._reader is not None and (self._reader.at_eof() or self._reader.exception() is not None):
+            # The driver closed this kept-alive connection while it was idle (it exited: a
+            # driver restart): reconnect without an error, as the real client's pool does
+            # (urllib3 checks a pooled connection before reusing it).
+            self.close()
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
             self._stats.connections += 1

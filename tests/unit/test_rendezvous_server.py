@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import itertools
 import json
@@ -835,3 +836,31 @@ def test_pending_long_polls_hold_no_server_thread_each(registry, server):
     for t in pollers:
         t.join(TIMEOUT)
     assert results == [200] * 50
+
+
+def test_a_request_sent_while_the_server_only_listens_is_answered_once_it_serves():
+    """An adopting driver listens before it restores the job: a worker's request meanwhile
+    waits in the kernel's queue (its connect succeeds), and is answered once served."""
+    reg = Registry()
+    with reg.cond:
+        reg.add_worker("early", SlotKey("h", 0))
+    srv = RendezvousServer(reg, SECRET)
+    srv.listen()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(post, srv, p.PATH_HEARTBEAT, heartbeat("early"))
+        time.sleep(0.2)  # the request is sent and waits: nothing serves it yet
+        assert not sent.done() and reg.workers["early"].last_heartbeat is None
+        srv.start()
+        try:
+            assert sent.result(timeout=TIMEOUT).status_code == 200
+        finally:
+            srv.close()
+
+
+def test_a_server_that_only_listened_closes_its_socket():
+    srv = RendezvousServer(Registry(), SECRET)
+    srv.listen()
+    port = srv.port
+    srv.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT).close()

@@ -23,7 +23,7 @@ from lightning_elastic.launcher.processes.detached import DetachedLauncher, Lost
 from lightning_elastic.launcher.processes.supervisor import MARK
 from lightning_elastic.launcher.registry import Registry
 from lightning_elastic.launcher.state_dir import JobState, StateDir, StateWriter, WorkerEntry
-from lightning_elastic.protocol import Outcome, Report
+from lightning_elastic.protocol import HeartbeatRequest, Outcome, RendezvousRequest, Report
 from tests.unit.proc_tools import BOUND, REPO, LineReader
 
 pytestmark = pytest.mark.timeout(60)
@@ -313,21 +313,25 @@ def test_an_adopting_driver_refuses_requests_signed_before_it_started():
         srv.close()
 
 
-def test_saves_are_paced_by_their_cost_except_when_the_round_changes():
-    """At 4,096 workers a save costs ~0.15 s: after every pass it starved the service."""
+def test_saves_are_paced_by_their_cost_a_new_round_after_its_announcement():
+    """At 4,096 workers a save costs ~0.1 s: after every pass it starved the service."""
     pacing = adoption.SavePacing(share=0.1)
     assert not pacing.due(0.0, (1, 0))  # nothing changed: nothing to save
     pacing.changed()
-    assert pacing.due(0.0, (1, 0))
+    assert pacing.due(0.0, (1, 0))  # the first: at once
     pacing.saved(0.0, (1, 0), cost=0.05)  # the next one no sooner than 0.5 s later
     pacing.changed()
     assert not pacing.due(0.2, (1, 0))
     assert pacing.due(0.5, (1, 0))  # still due: the loop saves it on a later turn
-    # A new round (or generation) is saved at once: a restart must not adopt the one before.
-    assert pacing.due(0.2, (2, 0)) and pacing.due(0.2, (1, 1))
-    pacing.saved(0.2, (2, 0), cost=0.0001)
+    # A new round (or generation): 0.5 s after it was first seen, not after the last save,
+    # so that the save does not compete with the round's announcement.
+    assert not pacing.due(0.4, (2, 0))
+    assert not pacing.due(0.8, (2, 0)) and pacing.due(0.9, (2, 0))
+    assert not pacing.due(0.95, (2, 1)) and pacing.due(1.45, (2, 1))  # another one since: from then
+    pacing.saved(1.45, (2, 1), cost=0.0001)
     pacing.changed()
-    assert pacing.due(0.2011, (2, 0))  # cheap saves (tens of workers): after every pass
+    assert pacing.due(1.4511, (2, 1))  # cheap saves (tens of workers): after every pass
+    assert not pacing.due(1.4511, (3, 1)) and pacing.due(1.4522, (3, 1))  # a new round, a millisecond on
 
 
 def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
@@ -359,3 +363,114 @@ def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
         del raw[key]
     old = JobState.from_json(json.dumps(raw))
     assert (old.standby, old.holds, old.first_exit) == ((), (), None)
+
+
+COUNTERS = adoption.Counters(3, (2,), (), (), (), ())
+
+
+def test_workers_in_a_round_the_previous_driver_did_not_save_re_form_under_a_new_number(tmp_path):
+    """Saves are never waited for: a driver can announce round 2 and die before it is on disk.
+    The next driver, told by the workers that they know more than its saved round 1, must not
+    number a round 2 again (a worker in the unsaved round 2 would never take it) nor bump the
+    generation to one they already know (they would not hear of it): it re-forms past both."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    members = [reg.workers["a[0]#0"], reg.workers["a[1]#1"]]
+    with reg.cond:  # the unsaved change: a new generation and round 2, announced
+        reg.bump_generation()
+        reg.form_round(list(zip(members, target)), ("127.0.0.1", 4242))
+    assert (reg.round.number, reg.generation) == (2, 2) and saved.round.number == 1
+    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
+    with new_reg.cond:
+        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    # A heartbeat of a worker of round 2, as it knows it: at once, the driver moves past every
+    # generation its predecessor may have announced unsaved.
+    reserve = adoption.RESERVED_CHANGES
+    reply = new_reg.heartbeat_poll(HeartbeatRequest("a[0]#0", 2, 0, 5.0)).wait()
+    assert reply.generation == new_reg.generation == 1 + reserve + 1
+    assert 1 in new_reg.broken_rounds
+    # Both come back from round 2; the driver's next round is 3, and they take it.
+    waiting = [new_reg.rendezvous_poll(RendezvousRequest(w.worker_id, 2), timeout=0.01) for w in members]
+    with new_reg.cond:
+        assert new_reg.generation == reserve + 2  # their round 2 moved nothing more
+        formed = new_reg.form_round([(new_reg.workers[w.worker_id], s) for w, s in zip(members, target)],
+                                    ("127.0.0.1", 4242))
+    assert formed.number == 1 + reserve + 1 and formed.generation == reserve + 2
+    replies = [poll.wait() for poll in waiting]
+    assert [r.assignment.round for r in replies] == [formed.number] * 2
+
+
+def test_a_round_the_workers_knew_only_from_a_rendezvous_is_also_passed(tmp_path):
+    """The saved generation already counted the change; only the round was not saved: a
+    member back from round 2 shows it, and the next round is past the reserve."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
+    with new_reg.cond:
+        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    poll = new_reg.rendezvous_poll(RendezvousRequest("a[0]#0", 2), timeout=0.01)
+    assert new_reg.generation == 1 + adoption.RESERVED_CHANGES + 1 and 1 in new_reg.broken_rounds
+    # Its round-2 peers, still in it, hear of the new generation at their next heartbeat.
+    assert new_reg.heartbeat_poll(HeartbeatRequest("a[1]#1", 1, 0, 5.0)).wait().generation == new_reg.generation
+    with new_reg.cond:
+        formed = new_reg.form_round([(new_reg.workers["a[0]#0"], target[0])], ("127.0.0.1", 4242))
+    assert formed.number == 1 + adoption.RESERVED_CHANGES + 1
+    assert poll.wait().assignment.round == formed.number
+
+
+def test_workers_in_the_saved_round_change_nothing(tmp_path):
+    """The common case: the saved round is the workers' round, which the new driver takes up."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
+    with new_reg.cond:
+        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    new_reg.heartbeat_poll(HeartbeatRequest("a[0]#0", 1, 0, 0.01)).wait()
+    new_reg.report(Report("a[1]#1", 1, Outcome.DONE))
+    assert (new_reg.round, new_reg.generation, new_reg.broken_rounds) == (reg.round, 1, set())
+
+
+def test_a_snapshot_read_under_the_lock_is_the_state_of_then(tmp_path):
+    """The driver reads references under its lock and the writer thread builds the state
+    later: what the driver changes meanwhile must not leak into the saved state."""
+    reg, hosts, target, procs = a_job(tmp_path)
+    before = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    snap = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    members = [reg.workers["a[0]#0"], reg.workers["a[1]#1"]]
+    with reg.cond:  # the next pass: a new round, a report, a worker gone
+        reg.bump_generation()
+        reg.form_round(list(zip(members, target)), ("127.0.0.1", 4242))
+        members[1].report = Report("a[1]#1", 2, Outcome.FAILED, "later")
+        reg.workers["a[1]#2"].leave = True
+        hosts.record_failure(SlotKey("a", 0))
+    directory = StateDir(tmp_path)
+    writer = StateWriter(directory)
+    writer.start()
+    writer.submit(snap.state)
+    writer.close()
+    assert dataclass_without_time(directory.load()) == dataclass_without_time(before)
+
+
+def test_the_adoption_time_is_the_last_arrival_not_when_the_loop_looked():
+    reg = Registry(clock=lambda: 0.0)
+    with reg.cond:
+        records = [reg.add_worker(f"a[{i}]#{i}", SlotKey("a", i)) for i in range(2)]
+    watch = adoption.AdoptionWatch(records, adopted_at=10.0, driver_started=9.5)
+    records[0].last_heartbeat = 10.2
+    assert watch.check(10.25) is None
+    records[1].last_heartbeat = 10.4
+    records[0].last_heartbeat = 10.45  # its next request, before the loop looks again
+    assert watch.check(10.5) == pytest.approx(10.4 - 9.5)
+
+
+def test_the_summary_counts_survive_a_restart_as_one_structure(tmp_path):
+    reg, hosts, target, procs = a_job(tmp_path)
+    tally = adoption.Tally(next_worker=3)
+    tally.rounds.append(2)
+    tally.failures.append("worker a[1]#1 was killed by SIGKILL")
+    tally.blacklisted.append("b")
+    tally.departures.append("worker a[0]#0 left on a preemption notice")
+    tally.outages.append("driver restarted after 5.0 s without one")
+    directory = StateDir(tmp_path)
+    directory.save(adoption.capture("h", 1, reg, procs, target, False, hosts, tally.counters()))
+    assert adoption.Tally.of(directory.load()).counters() == tally.counters()
