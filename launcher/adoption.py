@@ -110,7 +110,7 @@ def capture(
 # round, assignment, report, leave, ended state or "", standby). Only references to values
 # that are never changed in place (assignments, reports, slots are frozen): the record may
 # change after, the row does not.
-_Row = tuple[str, SlotKey, "WorkerProcess | None", bool, bool, "Assignment | None", "Report | None", bool, str, bool]
+_Row = tuple[str, SlotKey, WorkerProcess | None, bool, bool, Assignment | None, Report | None, bool, str, bool]
 
 
 @dataclasses.dataclass(frozen=True)
