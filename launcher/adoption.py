@@ -67,7 +67,8 @@ class Tally:
     @classmethod
     def of(cls, state: JobState) -> Tally:
         """The previous driver's, from its saved state (what it kept of each history)."""
-        return cls(state.next_worker, BoundedHistory.of(state.rounds), BoundedHistory.of(state.failures),
+        return cls(max(state.next_worker, state.reserved_worker), BoundedHistory.of(state.rounds),
+                   BoundedHistory.of(state.failures),
                    list(state.blacklisted), BoundedHistory.of(state.departures), list(state.outages))
 
 
@@ -88,6 +89,19 @@ class Waits:
 # save was being written (one save takes 0.1-0.2 s at 4,096 workers; one change, a decision
 # pass and the workers' answers, takes longer).
 RESERVED_CHANGES = 64
+
+
+def reserved_workers(workers: int, target: int) -> int:
+    """Worker numbers a save reserves past the next one: what a driver may start before its
+    next save lands. A decision pass starts at most one worker per slot of the target (hot
+    spares included among the workers); twice the larger of the two, plus a margin, covers
+    a pass and its replacements within one save's window (~1 s at 4,096 workers).
+
+    A worker started and not saved before its driver died is unknown to the successor: its
+    requests are refused and it exits. Were its number given again, the successor would
+    take that orphan's requests for its own new worker's.
+    """
+    return RESERVED_CHANGES + 2 * max(workers, target)
 
 
 def capture(
@@ -183,6 +197,7 @@ class Snapshot:
             first_exit=FirstExitEntry(waits.first_exit[1], now - waits.first_exit[0]) if waits.first_exit else None,
             reserved_round=(current.number if current else 0) + RESERVED_CHANGES,
             reserved_generation=self.generation + RESERVED_CHANGES,
+            reserved_worker=counters.next_worker + reserved_workers(len(self.rows), len(self.target)),
         )
 
 

@@ -142,6 +142,9 @@ class JobState:
     # ``round`` numbers its next round and generation past these (0: the saved ones).
     reserved_round: int = 0
     reserved_generation: int = 0
+    # Worker numbers the driver may have given to workers it started before its next save:
+    # a restarted driver numbers its own past these, so that no id is given twice (0: none).
+    reserved_worker: int = 0
 
     def to_json(self) -> str:
         """By hand, not ``dataclasses.asdict`` (which deep-copies): 4,096 workers in ~0.05 s.

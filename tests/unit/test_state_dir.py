@@ -473,4 +473,20 @@ def test_the_summary_counts_survive_a_restart_as_one_structure(tmp_path):
     tally.outages.append("driver restarted after 5.0 s without one")
     directory = StateDir(tmp_path)
     directory.save(adoption.capture("h", 1, reg, procs, target, False, hosts, tally.counters()))
-    assert adoption.Tally.of(directory.load()).counters() == tally.counters()
+    restored = adoption.Tally.of(directory.load())
+    assert dataclasses.replace(restored.counters(), next_worker=3) == tally.counters()
+    assert restored.next_worker > tally.next_worker  # past the reserve: next test
+
+
+def test_a_restarted_driver_numbers_its_workers_past_any_its_predecessor_started_unsaved(tmp_path):
+    # Saves are not waited for: the predecessor may have started workers after its last
+    # save. One of them outliving it must never share an id with the successor's workers.
+    reg, hosts, target, procs = a_job(tmp_path)
+    directory = StateDir(tmp_path)
+    saved_next = 3
+    directory.save(adoption.capture("h", 1, reg, procs, target, False, hosts, adoption.Tally(saved_next).counters()))
+    # Before its next save, a whole pass of replacements and then each replaced again.
+    started_unsaved = range(saved_next, saved_next + 2 * max(len(reg.workers), len(target)))
+    assert adoption.Tally.of(directory.load()).next_worker > max(started_unsaved)
+    # A state saved before the reserve existed keeps its number.
+    assert adoption.Tally.of(dataclasses.replace(directory.load(), reserved_worker=0)).next_worker == saved_next
