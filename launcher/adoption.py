@@ -45,6 +45,10 @@ class Counters:
     blacklisted: tuple[str, ...]
     departures: tuple[str, ...]
     outages: tuple[str, ...]
+    # Entries the bounded histories above no longer hold (the reset limit counts them too).
+    rounds_omitted: int = 0
+    failures_omitted: int = 0
+    departures_omitted: int = 0
 
 
 @dataclasses.dataclass
@@ -62,14 +66,15 @@ class Tally:
 
     def counters(self) -> Counters:
         return Counters(self.next_worker, tuple(self.rounds), tuple(self.failures), tuple(self.blacklisted),
-                        tuple(self.departures), tuple(self.outages))
+                        tuple(self.departures), tuple(self.outages), self.rounds.omitted, self.failures.omitted,
+                        self.departures.omitted)
 
     @classmethod
     def of(cls, state: JobState) -> Tally:
         """The previous driver's, from its saved state (what it kept of each history)."""
-        return cls(max(state.next_worker, state.reserved_worker), BoundedHistory.of(state.rounds),
-                   BoundedHistory.of(state.failures),
-                   list(state.blacklisted), BoundedHistory.of(state.departures), list(state.outages))
+        return cls(max(state.next_worker, state.reserved_worker), BoundedHistory.of(state.rounds, state.rounds_omitted),
+                   BoundedHistory.of(state.failures, state.failures_omitted), list(state.blacklisted),
+                   BoundedHistory.of(state.departures, state.departures_omitted), list(state.outages))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +195,9 @@ class Snapshot:
             blacklist=tuple(BlacklistEntry(*entry) for entry in self.blacklist),
             departures=counters.departures,
             outages=counters.outages,
+            rounds_omitted=counters.rounds_omitted,
+            failures_omitted=counters.failures_omitted,
+            departures_omitted=counters.departures_omitted,
             saved_at=time.time(),
             standby=waits.standby,
             holds=tuple(HoldEntry(slot.host, slot.local_rank, until - now) for slot, until in waits.held_until

@@ -25,12 +25,13 @@ class BoundedHistory(Generic[T]):
         self.total = 0  # every entry ever appended
 
     @classmethod
-    def of(cls, items: Iterable[T]) -> BoundedHistory[T]:
-        """A history holding ``items`` (what a previous driver kept: its omitted count is
-        not carried across a restart)."""
+    def of(cls, items: Iterable[T], omitted: int = 0) -> BoundedHistory[T]:
+        """The history a previous driver kept: its ``items`` (first and newest) and how many
+        it had ``omitted`` between them."""
         history: BoundedHistory[T] = cls()
         for item in items:
             history.append(item)
+        history.total += max(0, omitted)
         return history
 
     def append(self, item: T) -> None:

@@ -145,6 +145,11 @@ class JobState:
     # Worker numbers the driver may have given to workers it started before its next save:
     # a restarted driver numbers its own past these, so that no id is given twice (0: none).
     reserved_worker: int = 0
+    # What the bounded histories (rounds, failures, departures) left out between their first
+    # and newest entries: the reset limit and the summary count them (0: a state saved before).
+    rounds_omitted: int = 0
+    failures_omitted: int = 0
+    departures_omitted: int = 0
 
     def to_json(self) -> str:
         """By hand, not ``dataclasses.asdict`` (which deep-copies): 4,096 workers in ~0.05 s.

@@ -490,3 +490,17 @@ def test_a_restarted_driver_numbers_its_workers_past_any_its_predecessor_started
     assert adoption.Tally.of(directory.load()).next_worker > max(started_unsaved)
     # A state saved before the reserve existed keeps its number.
     assert adoption.Tally.of(dataclasses.replace(directory.load(), reserved_worker=0)).next_worker == saved_next
+
+
+def test_the_reset_limit_still_counts_every_round_after_a_restart_past_the_kept_history(tmp_path):
+    # The rounds history keeps its first 20 and newest 80 entries; a restart used to take up
+    # only those, so a job of 150 rounds counted 100 against --reset-limit afterwards.
+    reg, hosts, target, procs = a_job(tmp_path)
+    tally = adoption.Tally(next_worker=3)
+    for size in range(150):
+        tally.rounds.append(size)
+    directory = StateDir(tmp_path)
+    directory.save(adoption.capture("h", 1, reg, procs, target, False, hosts, tally.counters()))
+    restored = adoption.Tally.of(directory.load())
+    assert (restored.rounds.total, restored.rounds.omitted) == (150, 50)
+    assert list(restored.rounds) == list(tally.rounds)
