@@ -87,6 +87,23 @@ class Waits:
     first_exit: tuple[float, str] | None = None  # (since, worker): training returned, it exited
 
 
+@dataclasses.dataclass
+class Waiting:
+    """What the driver is waiting out, as it holds it (the decision loop's alone, under its
+    lock), beside the ``Tally``: ``waits()`` is what a save carries, ``of`` takes it up."""
+
+    standby: tuple[SlotKey, ...] = ()  # slots of hot spares (--spares)
+    held_until: dict[SlotKey, float] = dataclasses.field(default_factory=dict)  # preempted slot -> end of its hold
+    first_exit: tuple[float, str] | None = None  # when and who, once training has returned
+
+    def waits(self) -> Waits:
+        return Waits(self.standby, tuple(self.held_until.items()), self.first_exit)
+
+    @classmethod
+    def of(cls, waits: Waits) -> Waiting:
+        return cls(waits.standby, dict(waits.held_until), waits.first_exit)
+
+
 # A save is handed to the writer thread and never waited for: the driver may announce a round
 # (or a generation) that is not on disk yet. Each save reserves this many more of both; an
 # adopting driver that finds its workers ahead of its saved round jumps past the reserve

@@ -186,6 +186,7 @@ class Driver:
         self._adopting = keeping is not None and keeping.previous is not None
         self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
         self._tally = adoption.Tally()  # what the summary counts: carried across restarts
+        self._waiting = adoption.Waiting()  # hot spares, preempted slots' holds, the exit timeout
         self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
         self._save_pacing = adoption.SavePacing()
         self._server: RendezvousServer | None = None
@@ -197,20 +198,17 @@ class Driver:
         self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
         self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
         self._target: list[SlotAssignment] = []
-        self._standby: tuple[SlotKey, ...] = ()  # slots of hot spares (--spares)
         self._view: membership.MembershipView | None = None  # this decision pass's snapshot
         self._announced_for: tuple[SlotKey, ...] | None = None
         self._reset_pending_since: float | None = None  # members were asked to re-rendezvous
         self._discovery_seq = 0
         self._discovery_error: str | None = None
         self._below_since: float | None = None
-        self._waiting_said_at = 0.0  # when the last "waiting for slots" line was logged
+        self._short_of_slots_said_at = 0.0  # when the last "waiting for slots" line was logged
         # A fixed host list never grows; with no cooldown a blacklisted host never returns.
         self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
         self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
         self._failure_of: dict[str, str] = {}
-        self._held_until: dict[SlotKey, float] = {}  # slot left on a preemption notice -> end of its hold
-        self._first_exit: tuple[float, str] | None = None  # when and who, once training has returned
         self._refused_hosts: set[str] = set()
         # The failure of a worker that exited 0 without ever reaching the rendezvous: a
         # script that does not join the job (see policy.JobView.never_joined).
@@ -475,10 +473,10 @@ class Driver:
     def _timers_pending(self, now: float) -> bool:
         """Does a decision depend on time alone now (the elastic timeout while slots are
         missing, a preempted slot's hold or its end)? Otherwise an unchanged job needs none."""
-        ended = [slot for slot, until in self._held_until.items() if until <= now]
+        ended = [slot for slot, until in self._waiting.held_until.items() if until <= now]
         for slot in ended:
-            del self._held_until[slot]
-        return self._below_since is not None or bool(self._held_until) or bool(ended)
+            del self._waiting.held_until[slot]
+        return self._below_since is not None or bool(self._waiting.held_until) or bool(ended)
 
     def _decide(self, now: float) -> policy.Verdict | None:
         reg = self._registry
@@ -697,7 +695,7 @@ class Driver:
                 record.state = WorkerState.REMOVED
                 if record.departing:
                     self._tally.departures.append(f"worker {record.worker_id} left on {record.departing}")
-                    self._held_until[record.slot] = now + self._config.timeouts.preemption_grace
+                    self._waiting.held_until[record.slot] = now + self._config.timeouts.preemption_grace
                     log.info("Worker %s left the job on %s; host %s stays usable.",
                              record.worker_id, record.departing, record.slot.host)
                     self._events.emit("worker_left", worker=record.worker_id, host=record.slot.host,
@@ -716,8 +714,8 @@ class Driver:
                     reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was stopped")  # type: ignore[union-attr]
             else:
                 self._fail(record, status, in_round and not finishing, blacklist=not finishing)
-            if finishing and self._first_exit is None:
-                self._first_exit = (now, record.worker_id)
+            if finishing and self._waiting.first_exit is None:
+                self._waiting.first_exit = (now, record.worker_id)
             reg.wake(record)  # its requests still waiting must end
         return reaped
 
@@ -780,9 +778,9 @@ class Driver:
 
     def _enforce_exit_timeout(self, now: float) -> None:
         """Training returned and a worker exited: the others get --exit-timeout to follow."""
-        if self._first_exit is None:
+        if self._waiting.first_exit is None:
             return
-        since, first = self._first_exit
+        since, first = self._waiting.first_exit
         limit = self._config.timeouts.exit
         if now - since <= limit:
             return
@@ -861,7 +859,7 @@ class Driver:
         self._keeping.writer.submit(adoption.snapshot(
             self._address, self._server.port, self._registry, self._processes, self._target,
             self._announced_for is not None, self._hosts, self._tally.counters(),
-            adoption.Waits(self._standby, tuple(self._held_until.items()), self._first_exit), self._clock()).state)
+            self._waiting.waits(), self._clock()).state)
 
     def _adopt_address(self) -> None:
         """Serve where the previous driver did, if this machine has its address."""
@@ -898,9 +896,7 @@ class Driver:
         # What the previous driver was waiting out: spares stay spares, a preempted slot
         # keeps the rest of its hold, the workers after training returned the rest of
         # their --exit-timeout.
-        self._standby = restored.waits.standby
-        self._held_until = dict(restored.waits.held_until)
-        self._first_exit = restored.waits.first_exit
+        self._waiting = adoption.Waiting.of(restored.waits)
         self._target = restored.target
         self._announced_for = membership.slots_of(self._target) if state.announced else None
         self._tally = adoption.Tally.of(state)
@@ -944,15 +940,15 @@ class Driver:
         if available < required:
             if self._below_since is None:
                 self._below_since = now
-            if now - self._waiting_said_at >= self._config.timeouts.progress_every:
+            if now - self._short_of_slots_said_at >= self._config.timeouts.progress_every:
                 # Every few seconds, not once: a wait of minutes must not look like a hang.
-                self._waiting_said_at = now
+                self._short_of_slots_said_at = now
                 left = self._config.elastic_timeout - (now - self._below_since)
                 log.warning("Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them.",
                             required, available, listing(hosts, lambda h: f"{h.host}:{h.slots}") or "no host", left)
         else:
             self._below_since = None
-            self._waiting_said_at = 0.0
+            self._short_of_slots_said_at = 0.0
         view = policy.JobView(
             round_number=reg.round.number if reg.round else 0,
             members=members,
@@ -964,7 +960,7 @@ class Driver:
             discovery_error=self._discovery_error,
             last_failure=self._tally.failures.last or "",
             repeated_error=reg.repeated_error,
-            slots_can_grow=(available >= required or not self._fixed_hosts or bool(self._held_until)
+            slots_can_grow=(available >= required or not self._fixed_hosts or bool(self._waiting.held_until)
                             or self._members_training()),
             blacklisted=tuple(self._tally.blacklisted),
             never_joined=self._never_joined if self._never_joined and not self._anyone_joined() else "",
@@ -1014,10 +1010,10 @@ class Driver:
             round_broken=current is not None and current.number in reg.broken_rounds,
             announced_for=self._announced_for,
             required_slots=self._required_slots(),
-            held=frozenset(slot for slot, until in self._held_until.items() if self._clock() < until)
+            held=frozenset(slot for slot, until in self._waiting.held_until.items() if self._clock() < until)
             | self._hosts.blacklisted_slots(),
             spares=self._config.spares,
-            standby=self._standby,
+            standby=self._waiting.standby,
         )
 
     def _plan(self) -> policy.Verdict | None:
@@ -1048,7 +1044,7 @@ class Driver:
     def _apply(self, new: membership.Plan) -> None:
         reg = self._registry
         self._target = list(new.target)
-        self._standby = new.standby
+        self._waiting.standby = new.standby
         log.info("Target world: %d slot(s): %s%s.", len(new.target), listing(new.target, lambda a: str(a.slot)),
                  f"; standby: {listing(new.standby)}" if new.standby else "")
         for worker_id in new.leave:

@@ -504,3 +504,14 @@ def test_the_reset_limit_still_counts_every_round_after_a_restart_past_the_kept_
     restored = adoption.Tally.of(directory.load())
     assert (restored.rounds.total, restored.rounds.omitted) == (150, 50)
     assert list(restored.rounds) == list(tally.rounds)
+
+
+def test_what_the_driver_waits_out_is_one_structure_a_save_carries():
+    waiting = adoption.Waiting(standby=(SlotKey("a", 1),), held_until={SlotKey("b", 0): 130.0},
+                               first_exit=(95.0, "a[0]#0"))
+    waits = waiting.waits()
+    assert waits == adoption.Waits((SlotKey("a", 1),), ((SlotKey("b", 0), 130.0),), (95.0, "a[0]#0"))
+    taken_up = adoption.Waiting.of(waits)
+    assert taken_up == waiting
+    taken_up.held_until.clear()  # the driver's own dict: the save's tuple is left alone
+    assert waits.held_until and waiting.held_until
