@@ -32,6 +32,7 @@ Connection = tuple[Address, Address]  # (local, remote)
 
 FD_DIRECTORY = "/proc/self/fd"
 TCP_ESTABLISHED = 1  # Linux's tcp_states.h
+TCP_CLOSE_WAIT = 8  # the peer has closed its end; ours is still open
 
 
 def _plain(address: Iterable) -> Address:
@@ -41,8 +42,8 @@ def _plain(address: Iterable) -> Address:
     return host, int(port)
 
 
-def established() -> dict[Connection, int]:
-    """This process's connected TCP sockets, mapped to their descriptors.
+def established(states: Collection[int] = (TCP_ESTABLISHED,)) -> dict[Connection, int]:
+    """This process's connected TCP sockets (in ``states``), mapped to their descriptors.
 
     Read from the process's own descriptors (each socket's endpoints asked on a duplicate),
     not from the system's connection table: psutil's walk of ``/proc/net/tcp`` took 11-15 ms
@@ -60,7 +61,7 @@ def established() -> dict[Connection, int]:
             continue  # closed since it was listed, or not a socket Python can wrap
         try:
             if (duplicate.type == socket.SOCK_STREAM and duplicate.family in (socket.AF_INET, socket.AF_INET6)
-                    and duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_ESTABLISHED):
+                    and duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in states):
                 found[(_plain(duplicate.getsockname()), _plain(duplicate.getpeername()))] = int(name)
         except OSError:
             pass  # not connected: a listener, or not yet connected
@@ -104,10 +105,13 @@ def shut_down(connections: Collection[Connection]) -> int:
     """Shut down those of ``connections`` that are still open; returns how many.
 
     The descriptor is duplicated and its endpoints checked on the duplicate first: gloo may
-    have closed it since, and the number may now belong to another socket.
+    have closed it since, and the number may now belong to another socket. One whose peer
+    has already closed its end (the peer left the round first) is shut down too: gloo does
+    not always fail an operation pending on it (a stuck gloo collective of a broken round
+    was seen with both peers gone), and its own end shut down wakes gloo's poll on it.
     """
     done = 0
-    for conn, fd in established().items():
+    for conn, fd in established((TCP_ESTABLISHED, TCP_CLOSE_WAIT)).items():
         if conn not in connections:
             continue
         try:

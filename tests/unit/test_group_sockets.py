@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -204,7 +205,7 @@ def test_shut_down_checks_the_descriptor_still_belongs_to_the_connection(pairs, 
     closed_side = closed.client_side
     closed.close()
     reused = pairs()
-    monkeypatch.setattr(group_sockets, "established", lambda: {closed_side: reused.client.fileno()})
+    monkeypatch.setattr(group_sockets, "established", lambda states=(): {closed_side: reused.client.fileno()})
     assert shut_down({closed_side}) == 0
     reused.client.sendall(b"ok")
     assert reused.server.recv(10) == b"ok"
@@ -278,3 +279,17 @@ def test_published_by_finds_ipv4_and_ipv6_sockaddrs_inside_opaque_values():
     peer6 = (("fd00::1", 50002), ("fd00::5", 4242))
     other = (("10.0.0.1", 50003), ("10.0.0.7", 443))  # same host, another port
     assert group_sockets.published_by({peer4, accepted4, peer6, other}, [v4, v6]) == {peer4, accepted4, peer6}
+
+
+def test_shut_down_also_takes_a_connection_whose_peer_has_closed(pairs):
+    # The peer left the round first (its group destroyed): our end waits in CLOSE_WAIT,
+    # where an operation gloo left pending on it may stay; shutting it down wakes gloo's poll.
+    pair = pairs()
+    pair.server.close()
+    deadline = time.monotonic() + BOUND
+    while established((group_sockets.TCP_CLOSE_WAIT,)).get(pair.client_side) is None:
+        assert time.monotonic() < deadline, "the client end never reached CLOSE_WAIT"
+        time.sleep(0.01)
+    assert pair.client_side not in established()  # not established any more
+    assert shut_down({pair.client_side}) == 1
+    assert pair.client_side not in established((group_sockets.TCP_ESTABLISHED, group_sockets.TCP_CLOSE_WAIT))
