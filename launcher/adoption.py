@@ -1,4 +1,5 @@
-"""The job's restartable state taken from a running driver (``capture``) and given back to
+"""The job's restartable state taken from a running driver (``snapshot``, read under its
+lock; ``Snapshot.state`` builds it in the writer thread) and given back to
 a new one (``restore``): the two halves of ``--state-dir``.
 
 Both are plain functions of the driver's parts, so that what a restart needs is explicit:
@@ -124,22 +125,6 @@ def reserved_workers(workers: int, target: int) -> int:
     take that orphan's requests for its own new worker's.
     """
     return RESERVED_CHANGES + 2 * max(workers, target)
-
-
-def capture(
-    address: str,
-    port: int,
-    registry: Registry,
-    processes: Mapping[str, WorkerProcess],
-    target: Sequence[SlotAssignment],
-    announced: bool,
-    hosts: HostManager,
-    counters: Counters,
-    waits: Waits = Waits(),
-    now: float | None = None,
-) -> JobState:
-    """The state a restarted driver needs, now (driver lock held)."""
-    return snapshot(address, port, registry, processes, target, announced, hosts, counters, waits, now).state()
 
 
 # One worker as read under the lock: (id, slot, its process, joined, member of the current
@@ -328,7 +313,7 @@ def restore(
     return Restored(processes, target, adopted, ended, waits)
 
 
-# A save (capture under the driver's lock, then JSON and a rename in the writer thread)
+# A save (a snapshot under the driver's lock, then the state, JSON and a rename in the writer thread)
 # may take this share of the time at most: at 4,096 workers a save costs ~0.15 s of CPU,
 # and a save after every decision pass (a fleet reporting its end, one pass per few exits)
 # left the service so little of the lock that heartbeats went unrecorded.

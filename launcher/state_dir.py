@@ -34,8 +34,8 @@ import re
 import secrets
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lightning_elastic.launcher.errors import ConfigError

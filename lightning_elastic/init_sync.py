@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from lightning_elastic import collectives
@@ -117,7 +116,7 @@ def agree(needed: bool, print_: int, gather: Gather) -> bool:
     return all(row.tolist() == [0, first[1]] for row in rows)
 
 
-def group_gather(device: torch.device, wait: Callable[[dist.Work], None]) -> Gather:
+def group_gather(device: torch.device, wait: collectives.Wait) -> Gather:
     """``agree``'s all-gather over the current default group (on ``device``: NCCL needs CUDA),
     waited for with ``wait`` (the worker's ``wait_collective``: a peer lost mid-gather must
     not hold the survivors until the group's timeout)."""

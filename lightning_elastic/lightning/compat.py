@@ -33,6 +33,7 @@ __all__ = [
     "ddp_kwargs",
     "ddp_kwargs_replaced",
     "dump_checkpoint",
+    "finish_epoch",
     "fit_loop_state_dict",
     "forget_dataloaders",
     "is_fit_function",

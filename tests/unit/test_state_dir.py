@@ -58,7 +58,7 @@ def a_job(tmp_path) -> tuple[Registry, HostManager, list[SlotAssignment], dict]:
 def test_job_state_round_trips_through_its_file(tmp_path):
     reg, hosts, target, procs = a_job(tmp_path)
     counters = adoption.Counters(3, (2,), ("worker x was killed",), ("b",), (), ("earlier outage",))
-    state = adoption.capture("127.0.0.1", 4242, reg, procs, target, True, hosts, counters)
+    state = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, True, hosts, counters).state()
     directory = StateDir(tmp_path / "state")
     directory.lock()
     directory.save(state)
@@ -71,7 +71,7 @@ def test_job_state_round_trips_through_its_file(tmp_path):
 def test_restore_gives_a_new_driver_the_same_job(tmp_path):
     reg, hosts, target, procs = a_job(tmp_path)
     counters = adoption.Counters(3, (2,), (), (), (), ())
-    state = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, counters)
+    state = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, counters).state()
     new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
     new_hosts.update([HostSlots("a", 2), HostSlots("b", 1)])
     with new_reg.cond:
@@ -86,7 +86,7 @@ def test_restore_gives_a_new_driver_the_same_job(tmp_path):
     assert new_hosts.is_blacklisted("b") and not new_hosts.is_blacklisted("a")
     assert restored.target == target and restored.ended == 3 and restored.adopted == 0
     # What the new driver would save is what the old one saved.
-    again = adoption.capture("127.0.0.1", 4242, new_reg, {}, restored.target, False, new_hosts, counters)
+    again = adoption.snapshot("127.0.0.1", 4242, new_reg, {}, restored.target, False, new_hosts, counters).state()
     assert dataclass_without_time(again) == dataclass_without_time(state)
 
 
@@ -124,7 +124,7 @@ def test_secret_is_kept_with_mode_0600(tmp_path):
 def test_writer_saves_the_newest_state_and_touches_alive(tmp_path):
     directory = StateDir(tmp_path)
     reg, hosts, target, procs = a_job(tmp_path)
-    states = [adoption.capture("h", port, reg, procs, target, False, hosts, adoption.Counters(0, (), (), (), (), ()))
+    states = [adoption.snapshot("h", port, reg, procs, target, False, hosts, adoption.Counters(0, (), (), (), (), ())).state()
               for port in (1, 2, 3)]
     writer = StateWriter(directory)
     writer.start()
@@ -343,8 +343,8 @@ def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
     waits = adoption.Waits(standby=(SlotKey("a", 1),),
                            held_until=((SlotKey("b", 0), 105.0), (SlotKey("a", 0), 99.0)),  # the second is over
                            first_exit=(90.0, "a[0]#0"))
-    state = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts,
-                             adoption.Counters(3, (), (), (), (), ()), waits, now=100.0)
+    state = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts,
+                             adoption.Counters(3, (), (), (), (), ()), waits, now=100.0).state()
     directory = StateDir(tmp_path / "state")
     directory.lock()
     directory.save(state)
@@ -374,7 +374,7 @@ def test_workers_in_a_round_the_previous_driver_did_not_save_re_form_under_a_new
     number a round 2 again (a worker in the unsaved round 2 would never take it) nor bump the
     generation to one they already know (they would not hear of it): it re-forms past both."""
     reg, hosts, target, procs = a_job(tmp_path)
-    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    saved = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
     members = [reg.workers["a[0]#0"], reg.workers["a[1]#1"]]
     with reg.cond:  # the unsaved change: a new generation and round 2, announced
         reg.bump_generation()
@@ -404,7 +404,7 @@ def test_a_round_the_workers_knew_only_from_a_rendezvous_is_also_passed(tmp_path
     """The saved generation already counted the change; only the round was not saved: a
     member back from round 2 shows it, and the next round is past the reserve."""
     reg, hosts, target, procs = a_job(tmp_path)
-    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    saved = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
     new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
     with new_reg.cond:
         adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
@@ -421,7 +421,7 @@ def test_a_round_the_workers_knew_only_from_a_rendezvous_is_also_passed(tmp_path
 def test_workers_in_the_saved_round_change_nothing(tmp_path):
     """The common case: the saved round is the workers' round, which the new driver takes up."""
     reg, hosts, target, procs = a_job(tmp_path)
-    saved = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    saved = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
     new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
     with new_reg.cond:
         adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
@@ -434,7 +434,7 @@ def test_a_snapshot_read_under_the_lock_is_the_state_of_then(tmp_path):
     """The driver reads references under its lock and the writer thread builds the state
     later: what the driver changes meanwhile must not leak into the saved state."""
     reg, hosts, target, procs = a_job(tmp_path)
-    before = adoption.capture("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    before = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
     snap = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
     members = [reg.workers["a[0]#0"], reg.workers["a[1]#1"]]
     with reg.cond:  # the next pass: a new round, a report, a worker gone
@@ -472,7 +472,7 @@ def test_the_summary_counts_survive_a_restart_as_one_structure(tmp_path):
     tally.departures.append("worker a[0]#0 left on a preemption notice")
     tally.outages.append("driver restarted after 5.0 s without one")
     directory = StateDir(tmp_path)
-    directory.save(adoption.capture("h", 1, reg, procs, target, False, hosts, tally.counters()))
+    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, tally.counters()).state())
     restored = adoption.Tally.of(directory.load())
     assert dataclasses.replace(restored.counters(), next_worker=3) == tally.counters()
     assert restored.next_worker > tally.next_worker  # past the reserve: next test
@@ -484,7 +484,7 @@ def test_a_restarted_driver_numbers_its_workers_past_any_its_predecessor_started
     reg, hosts, target, procs = a_job(tmp_path)
     directory = StateDir(tmp_path)
     saved_next = 3
-    directory.save(adoption.capture("h", 1, reg, procs, target, False, hosts, adoption.Tally(saved_next).counters()))
+    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, adoption.Tally(saved_next).counters()).state())
     # Before its next save, a whole pass of replacements and then each replaced again.
     started_unsaved = range(saved_next, saved_next + 2 * max(len(reg.workers), len(target)))
     assert adoption.Tally.of(directory.load()).next_worker > max(started_unsaved)
@@ -500,7 +500,7 @@ def test_the_reset_limit_still_counts_every_round_after_a_restart_past_the_kept_
     for size in range(150):
         tally.rounds.append(size)
     directory = StateDir(tmp_path)
-    directory.save(adoption.capture("h", 1, reg, procs, target, False, hosts, tally.counters()))
+    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, tally.counters()).state())
     restored = adoption.Tally.of(directory.load())
     assert (restored.rounds.total, restored.rounds.omitted) == (150, 50)
     assert list(restored.rounds) == list(tally.rounds)
