@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 from lightning_elastic.launcher.errors import ConfigError
@@ -191,6 +192,9 @@ class LaunchConfig:
     state_dir: Path | None = None
     # --driver-patience: with --state-dir, how long workers wait for an unreachable driver.
     driver_patience: float = 120.0
+    # --preload: modules this machine's fork server imports once; local workers are forked
+    # from it instead of importing them each (launcher/processes/warm_start.py).
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -211,6 +215,18 @@ class LaunchConfig:
             raise ConfigError("--state-dir: not supported with --ray (Ray actors belong to the driver's job)")
         if not (math.isfinite(self.driver_patience) and self.driver_patience > 0):
             raise ConfigError(f"--driver-patience: expected a positive number of seconds, got {self.driver_patience}")
+        for name in self.preload:
+            if not all(part.isidentifier() for part in name.split(".")):
+                raise ConfigError(f"--preload: {name!r} is not a module name, expected e.g. lightning.pytorch")
+        if self.preload and self.state_dir is not None:
+            raise ConfigError("--preload: not supported with --state-dir yet (workers that outlive the driver "
+                              "cannot be forked from a server that dies with it)")
+        if self.preload and (self.ray is not None or self.slurm is not None):
+            raise ConfigError("--preload: only for workers the driver starts on its own machine, "
+                              "not with --ray or --slurm")
+        if self.preload and not os.path.basename(self.command[0]).startswith("python"):
+            raise ConfigError(f"--preload: COMMAND must start with a Python interpreter (python, python3, ...) "
+                              f"to fork from, got {self.command[0]!r}")
         if self.spares < 0:
             raise ConfigError(f"--spares: expected 0 or more workers, got {self.spares}")
         if self.hosts is not None and count_slots(self.hosts) < self.np:

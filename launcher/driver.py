@@ -1194,10 +1194,14 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
 
             keeping.adopt = adopt
         else:
-            local = LocalLauncher(sink)
+            local = LocalLauncher(sink, config.preload)
         router = HostRouter(local, ssh, classifier.is_local)
-        result = run_driver(Driver(config, make_discovery(config), router, classifier.is_local,
-                                   resolves=classifier.resolves, keeping=keeping))
+        try:
+            result = run_driver(Driver(config, make_discovery(config), router, classifier.is_local,
+                                       resolves=classifier.resolves, keeping=keeping))
+        finally:
+            if isinstance(local, LocalLauncher):
+                local.close()  # the fork server (--preload), after the driver stopped its workers
     if result.refused:
         raise ConfigError(result.reason)
     return result
