@@ -130,9 +130,13 @@ class Server:
     """The accept, fork and reap loop. ``serve()`` returns only in a forked child, with the
     request it is to run; the server itself runs until it is killed."""
 
-    def __init__(self, listener: socket.socket) -> None:
+    def __init__(self, listener: socket.socket, env: Mapping[str, str]) -> None:
+        """``env``: the environment the server started with, before the preloaded modules
+        changed it (Lightning sets variables of torch's as it is imported)."""
         self._listener = listener
-        self._env = dict(os.environ)
+        self._env = dict(env)
+        self._import_changes = {k: v for k, v in os.environ.items() if env.get(k) != v}
+        self._import_removals = [k for k in env if k not in os.environ]
         self._selector = selectors.DefaultSelector()
         self._children: dict[int, socket.socket | None] = {}  # pid -> its client's connection
         self._wake_read, self._wake_write = os.pipe()
@@ -291,6 +295,9 @@ class Server:
             os.close(fd)
         os.environ.clear()
         os.environ.update(request.env)
+        os.environ.update(self._import_changes)  # what the imports did to a cold start's environment too
+        for name in self._import_removals:
+            os.environ.pop(name, None)
         os.chdir(request.cwd)
 
 
@@ -378,6 +385,7 @@ def main(argv: list[str]) -> int:
         return 2
     _die_with_parent()
     listener = socket.socket(fileno=int(argv[0]))
+    env = dict(os.environ)
     for name in filter(None, argv[1].split(",")):
         try:
             importlib.import_module(name)
@@ -386,7 +394,7 @@ def main(argv: list[str]) -> int:
                   "workers start cold", file=sys.stderr, flush=True)
             listener.close()  # queued clients see the connection reset and start cold
             return 1
-    request = Server(listener).serve()
+    request = Server(listener, env).serve()
     return run(request)
 
 

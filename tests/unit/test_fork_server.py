@@ -1,0 +1,285 @@
+"""launcher/processes/fork_server.py and fork_client.py: workers forked from a warm interpreter.
+
+Real processes: a fork server started as the driver starts it (``WarmStart``), preloading a
+cheap module, and clients started as the local launcher starts workers (``spawn_worker``).
+A forked worker must look to the driver exactly like one started cold: its exit status,
+signals, output, secret, environment, arguments and working directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lightning_elastic.launcher.processes.fork_server import environment_difference, parse_command, Program
+from lightning_elastic.launcher.processes.spawn import spawn_worker
+from lightning_elastic.launcher.processes.warm_start import WarmStart
+from lightning_elastic.protocol import ENV_SECRET_FD
+from tests.unit.proc_tools import BOUND
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = "fork-secret-7"
+
+WORKER = r"""
+import json, os, random, signal, sys, time
+fd = os.environ.get("LIGHTNING_ELASTIC_SECRET_FD")
+print(json.dumps({
+    "name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(),
+    "parent": os.getppid(), "group": os.getpgid(0), "session": os.getsid(0), "x": os.environ.get("X"),
+    "rank": os.environ.get("RANK"), "preloaded": "wave" in sys.modules, "random": random.random(),
+    "secret": os.read(int(fd), 100).decode() if fd else None,
+}), flush=True)
+mode = sys.argv[1]
+if mode == "term":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
+    print("ready", flush=True)
+    time.sleep(60)
+elif mode == "sleep":
+    print("ready", flush=True)
+    time.sleep(60)
+elif mode == "raise":
+    raise RuntimeError("boom from the script")
+sys.exit(int(mode))
+"""
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "scripts" / "worker.py"
+    path.parent.mkdir()
+    path.write_text(WORKER)
+    return path
+
+
+@pytest.fixture
+def warm():
+    started = []
+
+    def make(modules=("wave",)) -> WarmStart:
+        w = WarmStart(modules, ENV_SECRET_FD)
+        started.append(w)
+        return w
+
+    yield make
+    for w in started:
+        w.close()
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, X="1", **extra)
+    env.pop(ENV_SECRET_FD, None)
+    return env
+
+
+def start(warm_start: WarmStart, script: Path, tmp_path: Path, *args: str, env=None) -> subprocess.Popen[bytes]:
+    env = env or base_env()
+    command = warm_start.command([sys.executable, str(script), *args], env, str(tmp_path))
+    return spawn_worker(command, env, SECRET, str(tmp_path), subprocess.PIPE, ENV_SECRET_FD)
+
+
+def first_line(proc: subprocess.Popen[bytes]) -> dict:
+    """The worker's report (its first line of JSON)."""
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        assert line, "no report before EOF"
+        if line.startswith(b"{"):
+            return json.loads(line)
+
+
+def cold_start(proc: subprocess.Popen[bytes]) -> tuple[dict, str]:
+    """The report of a worker that exits by itself, and the client's line before it."""
+    text = output(proc)
+    assert proc.wait(BOUND) == 0, text
+    report = next(line for line in text.splitlines() if line.startswith("{"))
+    return json.loads(report), text
+
+
+def wait_line(proc: subprocess.Popen[bytes], text: bytes) -> None:
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"no {text!r} before EOF"
+        if line.strip() == text:
+            return
+
+
+def output(proc: subprocess.Popen[bytes]) -> str:
+    assert proc.stdout is not None
+    return proc.stdout.read().decode()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + BOUND
+    while not gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} still runs"
+        time.sleep(0.02)
+
+
+# ----- what is forked ---------------------------------------------------------------------
+
+
+def test_a_script_or_a_module_of_this_interpreter_is_forked(tmp_path):
+    env = {"PATH": os.environ["PATH"]}
+    assert parse_command([sys.executable, "train.py", "--n", "3"], env, str(tmp_path)) == \
+        Program(str(tmp_path / "train.py"), None, ("--n", "3"), False)
+    assert parse_command([sys.executable, "-u", "-m", "pkg.train", "-x"], env, "/") == \
+        Program(None, "pkg.train", ("-x",), True)
+
+
+@pytest.mark.parametrize("command, why", [
+    (["/bin/sh", "train.sh"], "is not this fork server's interpreter"),
+    ([sys.executable, "-X", "importtime", "train.py"], "only 'python [-u] SCRIPT ...'"),
+    ([sys.executable, "-c", "print(1)"], "only 'python [-u] SCRIPT ...'"),
+    ([sys.executable], "only 'python [-u] SCRIPT ...'"),
+])
+def test_anything_else_is_started_cold_with_the_reason(command, why, tmp_path):
+    answer = parse_command(command, {"PATH": os.environ["PATH"]}, str(tmp_path))
+    assert isinstance(answer, str) and why in answer
+
+
+def test_another_venv_on_the_same_base_interpreter_is_not_this_one(tmp_path):
+    other = tmp_path / "venv" / "bin"
+    other.mkdir(parents=True)
+    (other / "python").symlink_to(os.path.realpath(sys.executable))
+    answer = parse_command([str(other / "python"), "train.py"], {}, str(tmp_path))
+    assert isinstance(answer, str) and "is not this fork server's interpreter" in answer
+
+
+def test_only_variables_read_after_start_up_may_differ():
+    ours = {"PATH": "/bin", "PYTHONPATH": "a", "RANK": "0", "LIGHTNING_ELASTIC_WORKER_ID": "h[0]#0"}
+    theirs = {"PATH": "/bin", "PYTHONPATH": "b", "RANK": "3", "LIGHTNING_ELASTIC_WORKER_ID": "h[1]#4",
+              "CUDA_VISIBLE_DEVICES": "1", "TORCH_LOGS": "+dynamo"}
+    assert environment_difference(ours, theirs) == ["PYTHONPATH", "TORCH_LOGS"]
+
+
+# ----- a forked worker, as the driver sees it ---------------------------------------------
+
+
+def test_a_forked_worker_has_the_clients_arguments_environment_secret_and_session(warm, script, tmp_path):
+    w = warm()
+    proc = start(w, script, tmp_path, "7", env=base_env(RANK="5"))
+    seen = first_line(proc)
+    assert proc.wait(BOUND) == 7
+    assert seen["parent"] == w.server_pid  # forked, not started cold
+    assert seen["preloaded"]
+    assert seen["name"] == "__main__"
+    assert seen["argv"] == [str(script), "7"]
+    assert seen["cwd"] == str(tmp_path)
+    assert seen["path0"] == str(script.parent)
+    assert (seen["x"], seen["rank"], seen["secret"]) == ("1", "5", SECRET)
+    assert seen["group"] == seen["pid"] == seen["session"]  # a session of its own, as a cold start
+
+
+def test_two_forked_workers_draw_different_random_numbers(warm, script, tmp_path):
+    w = warm()
+    a, b = start(w, script, tmp_path, "0"), start(w, script, tmp_path, "0")
+    assert first_line(a)["random"] != first_line(b)["random"]
+    assert (a.wait(BOUND), b.wait(BOUND)) == (0, 0)
+
+
+def test_an_uncaught_exception_exits_1_with_the_scripts_own_traceback(warm, script, tmp_path):
+    proc = start(warm(), script, tmp_path, "raise")
+    first_line(proc)
+    text = output(proc)
+    assert proc.wait(BOUND) == 1
+    assert "RuntimeError: boom from the script" in text
+    assert "fork_server" not in text and "runpy" not in text, text  # as a cold start shows it
+
+
+def test_sigterm_to_the_clients_group_reaches_the_worker(warm, script, tmp_path):
+    proc = start(warm(), script, tmp_path, "term")
+    first_line(proc)
+    wait_line(proc, b"ready")
+    os.killpg(proc.pid, signal.SIGTERM)  # as the driver's stop: the client's process group
+    assert proc.wait(BOUND) == 42
+
+
+def test_a_worker_killed_by_a_signal_makes_its_client_end_by_that_signal(warm, script, tmp_path):
+    proc = start(warm(), script, tmp_path, "sleep")
+    worker = first_line(proc)["pid"]
+    wait_line(proc, b"ready")
+    os.kill(worker, signal.SIGKILL)  # a test or the OOM killer: the worker itself
+    assert proc.wait(BOUND) == -signal.SIGKILL
+
+
+def test_sigkill_of_the_clients_group_kills_the_worker_too(warm, script, tmp_path):
+    proc = start(warm(), script, tmp_path, "sleep")
+    worker = first_line(proc)["pid"]
+    wait_line(proc, b"ready")
+    os.killpg(proc.pid, signal.SIGKILL)  # cannot be forwarded: the server sees the client go
+    assert proc.wait(BOUND) == -signal.SIGKILL
+    wait_gone(worker)
+
+
+def test_closing_stops_the_server_its_workers_and_removes_the_socket(warm, script, tmp_path):
+    w = warm()
+    proc = start(w, script, tmp_path, "sleep")
+    worker = first_line(proc)["pid"]
+    socket_dir = Path(w.command([sys.executable, str(script)], base_env(), str(tmp_path))[3]).parent
+    assert stat.S_IMODE(socket_dir.stat().st_mode) == 0o700  # only its user may connect
+    server = w.server_pid
+    w.close()
+    assert server is not None
+    wait_gone(server)
+    wait_gone(worker)
+    assert proc.wait(BOUND) != 0
+    assert not socket_dir.exists()
+
+
+# ----- starting cold ----------------------------------------------------------------------
+
+
+def test_a_different_environment_starts_cold_and_says_why(warm, script, tmp_path):
+    w = warm()
+    start(w, script, tmp_path, "0").wait(BOUND)  # the server took the first worker's environment
+    seen, text = cold_start(start(w, script, tmp_path, "0", env=base_env(PYTHONHASHSEED="3")))
+    assert seen["parent"] != w.server_pid and seen["secret"] == SECRET
+    assert "--preload: the environment differs from the fork server's in PYTHONHASHSEED: starting cold" in text
+
+
+def test_a_module_that_cannot_be_imported_leaves_every_worker_cold(warm, script, tmp_path):
+    seen, text = cold_start(start(warm(("no_such_module_here",)), script, tmp_path, "0"))
+    assert not seen["preloaded"] and seen["secret"] == SECRET
+    assert "starting cold" in text
+
+
+def test_a_server_with_a_second_thread_is_not_forked(warm, script, tmp_path):
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    w = warm(("starts_a_thread",))
+    seen, text = cold_start(start(w, script, tmp_path, "0", env=env))
+    assert seen["parent"] != w.server_pid
+    assert "the fork server runs 2 threads" in text
+
+
+def test_variables_a_preloaded_module_sets_at_import_are_the_workers_too(warm, script, tmp_path):
+    # As Lightning sets torch's PYTORCH_NVML_BASED_CUDA_CHECK when imported: a worker started
+    # cold would have it from its own import, and must not be refused for it either.
+    (tmp_path / "sets_a_variable.py").write_text("import os\nos.environ['SET_AT_IMPORT'] = 'yes'\n")
+    (tmp_path / "scripts" / "reads.py").write_text(
+        "import os, sys\nprint(os.environ.get('SET_AT_IMPORT'), os.getppid(), flush=True)\n")
+    env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    w = warm(("sets_a_variable",))
+    proc = start(w, tmp_path / "scripts" / "reads.py", tmp_path, env=env)
+    text = output(proc)
+    assert proc.wait(BOUND) == 0
+    assert text.split() == ["yes", str(w.server_pid)], text
