@@ -708,3 +708,10 @@ def test_a_snapshot_dir_that_cannot_be_created_exits_2_before_anything_starts(ca
     code, lines = run_main(capsys, "-np", "1", "--snapshot-dir", str(target), "python", "-c", "pass")
     assert code == 2
     assert lines[-1] == f"lightning-elastic: error: --snapshot-dir: cannot create {target}: Not a directory"
+
+
+def test_preload_names_modules_separated_by_commas_on_the_line_or_in_the_environment():
+    assert parse("-np", "2", "--preload", "torch, lightning.pytorch", "python", "t.py").preload == \
+        ("torch", "lightning.pytorch")
+    assert parse("-np", "2", "python", "t.py", environ={"LIGHTNING_ELASTIC_PRELOAD": "torch"}).preload == ("torch",)
+    assert parse("-np", "2", "python", "t.py").preload == ()

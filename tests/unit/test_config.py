@@ -46,6 +46,13 @@ def test_config_error_is_a_launch_error():
         (dict(min_np=0), "--min-np: must be between 1 and -np (2), got 0"),
         (dict(max_np=1), "--max-np: must be at least -np (2), got 1"),
         (dict(spares=-1), "--spares: expected 0 or more workers, got -1"),
+        (dict(preload=("torch", "lightning-pytorch")),
+         "--preload: 'lightning-pytorch' is not a module name, expected e.g. lightning.pytorch"),
+        (dict(preload=("torch",), state_dir=Path("/tmp/state")),
+         "--preload: not supported with --state-dir yet (workers that outlive the driver cannot be forked "
+         "from a server that dies with it)"),
+        (dict(preload=("torch",), command=("bash", "train.sh")),
+         "--preload: COMMAND must start with a Python interpreter (python, python3, ...) to fork from, got 'bash'"),
         (dict(hosts=None), "give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script, --ray or --slurm"),
         (dict(discovery_script=Path("/bin/true")), "give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script, --ray or --slurm"),
         (dict(elastic_timeout=0.0), "--elastic-timeout: must be positive, got 0.0"),
@@ -63,7 +70,9 @@ def test_invalid_value_gives_one_line_naming_it(overrides, message):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("overrides", [dict(min_np=2, max_np=2), dict(reset_limit=0), dict(blacklist_cooldown=(0.0, 0.0)), dict(blacklist_cooldown=(2.0, 2.0))])
+@pytest.mark.parametrize("overrides", [dict(preload=("torch", "lightning.pytorch")),
+                                       dict(preload=("torch",), command=("/venv/bin/python3.11", "-u", "t.py")),
+                                       dict(min_np=2, max_np=2), dict(reset_limit=0), dict(blacklist_cooldown=(0.0, 0.0)), dict(blacklist_cooldown=(2.0, 2.0))])
 def test_boundary_values_are_accepted(overrides):
     config(**overrides)
 
