@@ -22,7 +22,7 @@ module (``python [-u] SCRIPT ...`` or ``python [-u] -m MODULE ...``); the enviro
 must be the one the server imported under, except the variables that differ per worker
 (ranks, ids, interfaces, devices: read after start-up, never at import); and the server
 must still be a single thread (a fork copies only the forking thread: a lock another
-thread held would stay held forever in the child).
+thread held would stay held forever in the child) without a CUDA context.
 
 The server dies with the driver (PR_SET_PDEATHSIG), and each child with the server; a
 child whose client has gone (SIGKILLed with its process group) is SIGKILLed. The python
@@ -107,6 +107,18 @@ def _same_interpreter(executable: str) -> bool:
                 and os.path.samefile(executable, sys.executable))
     except OSError:
         return False
+
+
+def _cuda_initialized() -> bool:
+    """Has anything in the server created a CUDA context? A child forked after that cannot
+    use CUDA at all (torch refuses: "Cannot re-initialize CUDA in forked subprocess").
+    Importing torch and Lightning creates none (Lightning asks NVML, not CUDA, for devices)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a torch too broken to say: do not fork from it
+        return True
 
 
 def _thread_count() -> int:
@@ -203,6 +215,8 @@ class Server:
         threads = _thread_count()
         if threads != 1:
             return f"the fork server runs {threads} threads (started by a preloaded module): forking it is unsafe"
+        if _cuda_initialized():
+            return "a preloaded module initialised CUDA in the fork server: a forked worker could not use it"
         return parse_command(command, env, cwd)
 
     def _fork(self, request: _Request) -> bool:

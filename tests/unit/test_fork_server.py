@@ -283,3 +283,16 @@ def test_variables_a_preloaded_module_sets_at_import_are_the_workers_too(warm, s
     text = output(proc)
     assert proc.wait(BOUND) == 0
     assert text.split() == ["yes", str(w.server_pid)], text
+
+
+def test_a_server_with_cuda_initialised_is_not_forked(warm, script, tmp_path):
+    # No GPU here: a preloaded module stands in for a torch whose CUDA context exists (a
+    # preloaded module that touched a GPU); the decision is what is tested.
+    (tmp_path / "fake_cuda_torch.py").write_text(
+        "import sys, types\n"
+        "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))\n")
+    env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    w = warm(("fake_cuda_torch",))
+    seen, text = cold_start(start(w, script, tmp_path, "0", env=env))
+    assert seen["parent"] != w.server_pid
+    assert "initialised CUDA in the fork server" in text
