@@ -173,9 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --state-dir, how long workers wait for an unreachable driver before they exit "
                           "(default: 120)")
     run.add_argument("--preload", metavar="MODULE[,MODULE...]",
-                     help="import these modules once in a fork server on the driver's machine and fork every local "
-                          "worker from it (e.g. torch,lightning.pytorch): a replacement starts in a fraction of a "
-                          "second instead of importing for seconds; workers on other machines start as usual")
+                     help="import these modules once per machine in a fork server and fork every worker there from "
+                          "it (e.g. torch,lightning.pytorch): a replacement starts in a fraction of a second instead "
+                          "of importing for seconds; every listed host gets its server as soon as it is listed")
     run.add_argument("--verbose", action="store_true", help="log the driver's decisions in detail")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]")
     return parser

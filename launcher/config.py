@@ -192,8 +192,8 @@ class LaunchConfig:
     state_dir: Path | None = None
     # --driver-patience: with --state-dir, how long workers wait for an unreachable driver.
     driver_patience: float = 120.0
-    # --preload: modules this machine's fork server imports once; local workers are forked
-    # from it instead of importing them each (launcher/processes/warm_start.py).
+    # --preload: modules each machine's fork server imports once; the workers there are
+    # forked from it instead of importing them each (launcher/processes/warm_start.py).
     preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -222,7 +222,7 @@ class LaunchConfig:
             raise ConfigError("--preload: not supported with --state-dir yet (workers that outlive the driver "
                               "cannot be forked from a server that dies with it)")
         if self.preload and (self.ray is not None or self.slurm is not None):
-            raise ConfigError("--preload: only for workers the driver starts on its own machine, "
+            raise ConfigError("--preload: only for workers the driver starts itself (here or through ssh), "
                               "not with --ray or --slurm")
         if self.preload and not os.path.basename(self.command[0]).startswith("python"):
             raise ConfigError(f"--preload: COMMAND must start with a Python interpreter (python, python3, ...) "

@@ -52,6 +52,7 @@ from lightning_elastic.launcher.processes.base import (
 from lightning_elastic.launcher.processes.detached import DetachedLauncher
 from lightning_elastic.launcher.processes.exit_watch import ExitWatcher
 from lightning_elastic.launcher.processes.local import LocalLauncher
+from lightning_elastic.launcher.processes.warm_start import WarmStarts
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
 from lightning_elastic.launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
@@ -208,6 +209,11 @@ class Driver:
         # A fixed host list never grows; with no cooldown a blacklisted host never returns.
         self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
         self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
+        # --preload: the launcher that keeps fork servers (WarmStarts.prepare), the hosts
+        # given theirs, and those to give one after the pass.
+        self._prepare: Callable[[WorkerSpec], None] | None = getattr(launcher, "prepare", None)
+        self._prepared: set[str] = set()
+        self._pending_prepares: list[WorkerSpec] = []
         self._failure_of: dict[str, str] = {}
         self._refused_hosts: set[str] = set()
         # The failure of a worker that exited 0 without ever reaching the rendezvous: a
@@ -488,6 +494,8 @@ class Driver:
             verdict = self._plan()
         if verdict is None:
             verdict = self._maybe_form_round()
+        if verdict is None:
+            self._prepare_hosts()
         self._events.observe(reg.breaks, reg.first_steps, reg.round.number if reg.round else 0)
         if verdict is None:
             reg.await_arrivals(*membership.awaited_arrivals(self._membership_view()))
@@ -566,27 +574,10 @@ class Driver:
         worker_id = f"{slot.slot}#{number}"
         record = self._registry.add_worker(worker_id, slot.slot)
         assert self._server is not None
-        t = self._config.timeouts
-        # The driver's PYTHONPATH with our sitecustomize first: it registers
-        # strategy="elastic_hvd" when the script imports Lightning.
-        pythonpath = os.pathsep.join(filter(None, [str(AUTOLOAD_DIR), os.environ.get("PYTHONPATH")]))
         env = {
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # several workers per host would thrash
-            "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
-            "PYTHONPATH": pythonpath,
-            **dict(self._config.env),
-            p.ENV_DRIVER_URL: self._server.url,
+            **self._job_env(),
             p.ENV_WORKER_ID: worker_id,
             p.ENV_HOSTNAME: slot.slot.host,
-            p.ENV_HEARTBEAT_INTERVAL: str(t.heartbeat_period),
-            p.ENV_HEARTBEAT_TIMEOUT: str(t.heartbeat_timeout),
-            p.ENV_ELASTIC_TIMEOUT: str(self._config.elastic_timeout),
-            p.ENV_LOST_MEMBER_WAIT: str(t.lost_member_wait),
-            p.ENV_PROCESS_GROUP_TIMEOUT: str(t.process_group),
-            p.ENV_PREEMPTION_GRACE: str(t.preemption_grace),
-            **(self._resume.env if self._resume else {}),
-            **({p.ENV_DRIVER_PATIENCE: str(self._config.driver_patience),
-                p.ENV_DRIVER_URL_FILE: str(self._keeping.dir.url_file)} if self._keeping is not None else {}),
             # The usual torch variables, as planned; le.init() updates them every round.
             "RANK": str(slot.rank),
             "WORLD_SIZE": str(slot.size),
@@ -612,6 +603,44 @@ class Driver:
         )
         self._pending_starts.append(_PendingStart(record, spec, prefix))
 
+    def _job_env(self) -> dict[str, str]:
+        """The variables every worker of the job gets (``_spawn`` adds each one's own)."""
+        assert self._server is not None
+        t = self._config.timeouts
+        # The driver's PYTHONPATH with our sitecustomize first: it registers
+        # strategy="elastic_hvd" when the script imports Lightning.
+        pythonpath = os.pathsep.join(filter(None, [str(AUTOLOAD_DIR), os.environ.get("PYTHONPATH")]))
+        return {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # several workers per host would thrash
+            "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
+            "PYTHONPATH": pythonpath,
+            **dict(self._config.env),
+            p.ENV_DRIVER_URL: self._server.url,
+            p.ENV_HEARTBEAT_INTERVAL: str(t.heartbeat_period),
+            p.ENV_HEARTBEAT_TIMEOUT: str(t.heartbeat_timeout),
+            p.ENV_ELASTIC_TIMEOUT: str(self._config.elastic_timeout),
+            p.ENV_LOST_MEMBER_WAIT: str(t.lost_member_wait),
+            p.ENV_PROCESS_GROUP_TIMEOUT: str(t.process_group),
+            p.ENV_PREEMPTION_GRACE: str(t.preemption_grace),
+            **(self._resume.env if self._resume else {}),
+            **({p.ENV_DRIVER_PATIENCE: str(self._config.driver_patience),
+                p.ENV_DRIVER_URL_FILE: str(self._keeping.dir.url_file)} if self._keeping is not None else {}),
+        }
+
+    def _prepare_hosts(self) -> None:
+        """With ``--preload``: every host the job may use gets its fork server before a worker
+        needs it (a listed spare's replacement then forks at once). Started after the pass,
+        as workers are; once per host while it stays listed."""
+        if self._prepare is None:
+            return
+        available = {h.host for h in self._hosts.available()}
+        self._prepared &= available  # bounded by the hosts listed now; one that comes back is prepared again
+        for host in sorted(available - self._prepared):
+            self._prepared.add(host)
+            self._pending_prepares.append(WorkerSpec(
+                worker_id=f"fork server on {host}", host=host, command=self._config.command, env=self._job_env(),
+                secret=self._secret, cwd=os.getcwd()))
+
     def _start_pending(self) -> None:
         """Start the workers the last pass planned, with the registry's lock released.
 
@@ -621,7 +650,8 @@ class Driver:
         workers, and a worker cannot ask the service about itself before it exists.
         """
         pending, self._pending_starts = self._pending_starts, []
-        if not pending:
+        prepares, self._pending_prepares = self._pending_prepares, []
+        if not pending and not prepares:
             return
         started: list[tuple[_PendingStart, WorkerProcess]] = []
         failed: StartError | None = None
@@ -631,6 +661,8 @@ class Driver:
                 if item.spec.log_file is not None:
                     item.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
                 started.append((item, self._launcher.start(item.spec, item.prefix)))
+            for spec in prepares:  # after the workers: a fork server no worker waits for yet
+                self._prepare(spec)  # type: ignore[misc]  # (set whenever prepares are queued)
         except StartError as err:
             failed = err
         finally:
@@ -1194,14 +1226,15 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
 
             keeping.adopt = adopt
         else:
-            local = LocalLauncher(sink, config.preload)
-        router = HostRouter(local, ssh, classifier.is_local)
+            local = LocalLauncher(sink)
+        router: WorkerLauncher = HostRouter(local, ssh, classifier.is_local)
+        warm = WarmStarts(router, config.preload, classifier.is_local, p.ENV_SECRET_FD) if config.preload else None
         try:
-            result = run_driver(Driver(config, make_discovery(config), router, classifier.is_local,
+            result = run_driver(Driver(config, make_discovery(config), warm or router, classifier.is_local,
                                        resolves=classifier.resolves, keeping=keeping))
         finally:
-            if isinstance(local, LocalLauncher):
-                local.close()  # the fork server (--preload), after the driver stopped its workers
+            if warm is not None:
+                warm.close()  # the fork servers, after the driver stopped their workers
     if result.refused:
         raise ConfigError(result.reason)
     return result

@@ -1,9 +1,10 @@
-"""A worker started warm: ``python -I fork_client.py SOCKET SECRET_FD_VARIABLE -- COMMAND...``.
+"""A worker started warm: ``python -m lightning_elastic.launcher.processes.fork_client TOKEN SECRET_FD_VARIABLE -- COMMAND...``.
 
-With ``--preload`` the driver starts each local worker as this small client instead of
-COMMAND itself. The client asks the machine's fork server (``fork_server.py``, which has
-imported the preloaded modules once) to fork a process that runs COMMAND's script, and
-then stands in for that process towards whoever started it:
+With ``--preload`` the driver starts each worker as this small client instead of COMMAND
+itself, on the worker's host, in the worker's environment. The client asks the host's fork
+server (``fork_server.py``, which has imported the preloaded modules once, and listens in
+the directory that TOKEN names) to fork a process that runs COMMAND's script, and then
+stands in for that process towards whoever started it (the driver, or an ssh supervisor):
 
 - its exit status is the worker's (``exit`` from the server; a worker killed by a signal
   is reproduced by the client killing itself with that signal, so ``Popen.returncode``
@@ -14,13 +15,15 @@ then stands in for that process towards whoever started it:
 - the worker gets the client's own stdin, stdout, stderr and secret pipe (passed over the
   socket), its environment, arguments and working directory.
 
-Whenever the server cannot serve the request (none listening, a COMMAND it does not run,
-an environment that differs from the one it imported under), the client says why in one
-line and execs COMMAND itself: a cold start, as without ``--preload``.
+The server's directory must be this user's alone (mode 0700): the client hands over its
+descriptors and the job's secret, and a directory another user made (it could have read
+TOKEN in ``ps``) is refused. Whenever no server can serve the request (none listening, a
+preload that failed, a COMMAND it does not run, an environment other than the one it
+imported under), the client says why in one line and execs COMMAND itself: a cold start,
+as without ``--preload``.
 
-Standard library only, and run by its path with ``-I`` (as keeper.py): it starts in a few
-milliseconds. The messages, one JSON object per line, are defined here and used by the
-server too:
+Standard library only: it starts in a few tens of milliseconds. The messages, one JSON
+object per line, are defined here and used by the server too:
 
 - client -> server: ``{"command", "env", "cwd", "secret_fd"}``, the descriptors 0, 1, 2
   (and the secret pipe, when ``secret_fd`` is set) attached to its first bytes;
@@ -34,12 +37,18 @@ import json
 import os
 import signal
 import socket
+import stat
 import sys
+import time
 
 MARK = "lightning-elastic:"
 # A server still importing queues the connection: how long the client waits for its answer
 # before it starts cold. Generous: the preload is what a cold start would spend anyway.
 ANSWER_PATIENCE = 300.0
+# The driver starts the server just before the first workers: how long a client waits for
+# its socket to appear (a server that failed says so at once, in FAILED).
+SERVER_APPEARANCE = 15.0
+FAILED = "failed"  # the file in the server's directory that says why it serves nobody
 MAX_MESSAGE = 1 << 20  # bytes: an environment, arguments and a path fit many times over
 MAX_DESCRIPTORS = 4
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
@@ -51,7 +60,8 @@ def send_message(sock: socket.socket, message: dict, fds: tuple[int, ...] = ()) 
     if fds:
         sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         data = data[sent:]
-    sock.sendall(data)
+    if data:  # sendall(b"") still sends: a server that has answered and closed makes it EPIPE
+        sock.sendall(data)
 
 
 class LineReader:
@@ -82,6 +92,36 @@ class LineReader:
         if not isinstance(message, dict):
             raise ValueError(f"expected a JSON object, got {type(message).__name__}")
         return message
+
+
+def server_directory(token: str, env: dict[str, str] | os._Environ = os.environ) -> str:
+    """Where the fork server of TOKEN listens, on the host both run on."""
+    return os.path.join(env.get("TMPDIR") or "/tmp", f"lightning-elastic-fork-{token}")
+
+
+def _find_server(token: str) -> str:
+    """The server's socket path, once it listens. Raises OSError saying why there is none."""
+    directory = server_directory(token)
+    path = os.path.join(directory, "socket")
+    deadline = time.monotonic() + SERVER_APPEARANCE
+    while True:
+        try:
+            st = os.lstat(directory)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise OSError(f"{directory} is not a directory of this user's alone")
+            try:
+                with open(os.path.join(directory, FAILED)) as f:
+                    raise OSError(f.read().strip() or "the fork server failed")
+            except FileNotFoundError:
+                pass
+            if os.path.exists(path):
+                return path
+        if time.monotonic() > deadline:
+            raise OSError(f"no fork server at {directory} after {SERVER_APPEARANCE:g} s")
+        time.sleep(0.02)
 
 
 def _cold(command: list[str], why: str) -> int:
@@ -118,12 +158,16 @@ def _forward(pid: int) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: fork_client SOCKET SECRET_FD_VARIABLE -- COMMAND...", file=sys.stderr)
+        print("usage: fork_client TOKEN SECRET_FD_VARIABLE -- COMMAND...", file=sys.stderr)
         return 2
-    path, secret_fd_variable, command = argv[0], argv[1], argv[3:]
+    token, secret_fd_variable, command = argv[0], argv[1], argv[3:]
     fd_text = os.environ.get(secret_fd_variable, "")
     secret_fd = int(fd_text) if fd_text.isdigit() else None
     request = {"command": command, "env": dict(os.environ), "cwd": os.getcwd(), "secret_fd": secret_fd}
+    try:
+        path = _find_server(token)
+    except OSError as err:
+        return _cold(command, str(err))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(ANSWER_PATIENCE)
@@ -133,7 +177,7 @@ def main(argv: list[str]) -> int:
         answer = reader.next()
     except (OSError, ValueError) as err:  # socket.timeout is an OSError
         sock.close()
-        return _cold(command, f"no fork server at {path} ({err})")
+        return _cold(command, f"the fork server did not answer ({err})")
     if answer is None or "pid" not in answer:
         sock.close()
         why = answer.get("cold", "the fork server did not say") if answer else "the fork server closed the connection"

@@ -1,6 +1,6 @@
-"""A machine's warm interpreter: imports the ``--preload`` modules once, then forks workers.
+"""A host's warm interpreter: imports the ``--preload`` modules once, then forks workers.
 
-``python -m lightning_elastic.launcher.processes.fork_server LISTEN_FD MODULE[,MODULE...] [-- COMMAND...]``
+``python -m lightning_elastic.launcher.processes.fork_server TOKEN MODULE[,MODULE...] [-- COMMAND...]``
 
 (COMMAND, the workers' command, is only shown: ``ps`` then names the job's script for the
 workers forked from this server, which show its command line.)
@@ -8,12 +8,13 @@ workers forked from this server, which show its command line.)
 Without it every worker started on a machine imports torch and Lightning itself: about 4 s
 of CPU each here, spent again by every replacement, and by every worker of a job that
 starts eight on one machine at once. With it, the driver starts one server per machine
-with the workers' interpreter and environment; the server imports the modules once and
-serves ``fork_client.py`` requests on the listening Unix socket it inherits (LISTEN_FD,
-bound by the driver in a directory only its user can enter; peers of another user are
-refused all the same). For each request it forks a child that becomes the worker:
-a session of its own, the client's descriptors, environment, arguments and working
-directory, the random generators reseeded, then COMMAND's script run as ``__main__``.
+(``warm_start.py``), the way it starts a worker there (locally, or through ssh), with the
+workers' interpreter and environment. The server makes a directory named by TOKEN that
+only its user may enter, listens there, imports the modules once, and serves
+``fork_client.py`` requests (peers of another user are refused all the same). For each
+request it forks a child that becomes the worker: a session of its own, the client's
+descriptors, environment, arguments and working directory, the random generators
+reseeded, then COMMAND's script run as ``__main__``.
 
 A worker forked this way differs from one started cold in what the preloaded modules did
 at import time, so the server forks only when that cannot matter, and answers ``cold``
@@ -24,9 +25,11 @@ must be the one the server imported under, except the variables that differ per 
 must still be a single thread (a fork copies only the forking thread: a lock another
 thread held would stay held forever in the child) without a CUDA context.
 
-The server dies with the driver (PR_SET_PDEATHSIG), and each child with the server; a
-child whose client has gone (SIGKILLed with its process group) is SIGKILLed. The python
-hash seed is the server's, shared by the workers it forks.
+The server dies with whatever started it (PR_SET_PDEATHSIG, as a worker: the driver, or
+the ssh supervisor whose connection is its lifeline), and each child with the server; a
+child whose client has gone (SIGKILLed with its process group) is SIGKILLed. SIGTERM ends
+the server and removes its directory. The python hash seed is the server's, shared by the
+workers it forks.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-from lightning_elastic.launcher.processes.fork_client import LineReader, send_message
+from lightning_elastic.launcher.processes.fork_client import FAILED, LineReader, send_message, server_directory
+from lightning_elastic.protocol import ENV_SECRET_FD
 
 _PR_SET_PDEATHSIG = 1
 REQUEST_PATIENCE = 5.0  # seconds a connected client gets to send its request
+LISTEN_QUEUE = 4096  # clients queue here while the server imports: every worker of a big first round
 # Set per worker by the driver or its launcher, and read by a worker after it starts
 # (never by an import): a difference in these does not make a fork differ from a cold start.
 PER_WORKER = frozenset({
@@ -169,7 +174,9 @@ class Server:
                         return request
                 elif key.data == "reap":
                     self._reap()
-                else:
+                elif self._children.get(key.data) is key.fileobj:
+                    # (Not a connection this batch's reaping already closed: its descriptor
+                    # may be a new client's by now.)
                     self._client_gone(key.data, key.fileobj)  # type: ignore[arg-type]
 
     def _accept(self) -> _Request | None:
@@ -230,7 +237,12 @@ class Server:
             request.conn.close()
             return False
         if pid == 0:
-            self._leave_server(request)
+            try:
+                self._leave_server(request)
+            except BaseException as err:  # noqa: BLE001 - never back into the server's code (its clean-up)
+                with contextlib.suppress(OSError):
+                    os.write(2, f"lightning-elastic: cannot start the worker: {err}\n".encode())
+                os._exit(1)
             return True
         _close_all(request.fds)
         try:
@@ -393,23 +405,65 @@ def _close_all(fds: list[int]) -> None:
             os.close(fd)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) < 2 or not argv[0].isdigit() or (len(argv) > 2 and argv[2] != "--"):
-        print("usage: fork_server LISTEN_FD MODULE[,MODULE...] [-- COMMAND...]", file=sys.stderr)
-        return 2
-    _die_with_parent()
-    listener = socket.socket(fileno=int(argv[0]))
-    env = dict(os.environ)
-    for name in filter(None, argv[1].split(",")):
+def _listen(directory: str) -> socket.socket:
+    """Make the server's directory, this user's alone, and listen in it. A directory that
+    exists already is never reused: someone else may have made it."""
+    os.mkdir(directory, 0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(directory, "socket"))
+    listener.listen(LISTEN_QUEUE)
+    return listener
+
+
+def _preload(modules: list[str]) -> str | None:
+    """Import the modules; why one could not be, or None."""
+    for name in modules:
         try:
             importlib.import_module(name)
         except BaseException as err:  # noqa: BLE001 - any failure of the import is the user's to see
-            print(f"lightning-elastic: --preload: cannot import {name!r} ({type(err).__name__}: {err}): "
-                  "workers start cold", file=sys.stderr, flush=True)
-            listener.close()  # queued clients see the connection reset and start cold
-            return 1
-    request = Server(listener, env).serve()
-    return run(request)
+            return f"the fork server cannot import {name!r} ({type(err).__name__}: {err})"
+    return None
+
+
+def _stop(_sig: int, _frame: object) -> None:
+    raise SystemExit(0)  # to the clean-up below: the directory goes with the server
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or (len(argv) > 2 and argv[2] != "--"):
+        print("usage: fork_server TOKEN MODULE[,MODULE...] [-- COMMAND...]", file=sys.stderr)
+        return 2
+    token, modules = argv[0], [m for m in argv[1].split(",") if m]
+    # Started as a worker is (spawn.py): the job's secret pipe came along; it is no business of ours.
+    secret_fd = os.environ.pop(ENV_SECRET_FD, "")
+    if secret_fd.isdigit():
+        with contextlib.suppress(OSError):
+            os.close(int(secret_fd))
+    env = dict(os.environ)
+    directory = server_directory(token)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        listener = _listen(directory)
+    except OSError as err:
+        print(f"lightning-elastic: --preload: cannot listen in {directory}: {err}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        failure = _preload(modules)
+        if failure is not None:
+            # Said once here, and to every client, which starts cold at once instead of
+            # waiting for a socket that will never answer.
+            print(f"lightning-elastic: --preload: {failure}: workers start cold", file=sys.stderr, flush=True)
+            listener.close()
+            with open(os.path.join(directory, FAILED), "w") as f:
+                f.write(failure)
+            os.unlink(os.path.join(directory, "socket"))
+            while True:
+                signal.pause()  # until the driver stops the server
+        request = Server(listener, env).serve()
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return run(request)  # in a forked worker only
 
 
 if __name__ == "__main__":

@@ -1,7 +1,4 @@
-"""Worker processes on this machine: a subprocess per worker, its output prefixed.
-
-With ``--preload`` each is forked from this machine's fork server instead (warm_start.py).
-"""
+"""Worker processes on this machine: a subprocess per worker, its output prefixed."""
 
 from __future__ import annotations
 
@@ -15,35 +12,21 @@ from lightning_elastic.launcher.network import collective_interface_env
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
-from lightning_elastic.launcher.processes.warm_start import WarmStart
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 
 class LocalLauncher:
     """Starts workers as children of the driver, with the driver's environment underneath."""
 
-    def __init__(self, out: IO[str] | OutputSink | None = None, preload: tuple[str, ...] = ()) -> None:
+    def __init__(self, out: IO[str] | OutputSink | None = None) -> None:
         self._sink = as_sink(out)  # one for all its workers: a broken stdout is reported once
-        self._warm = WarmStart(preload, ENV_SECRET_FD) if preload else None
-
-    def __enter__(self) -> LocalLauncher:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the fork server, if any (the driver has stopped the workers first)."""
-        if self._warm is not None:
-            self._warm.close()
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> LocalProcess:
         env = {**os.environ, **spec.env}
         if "MASTER_ADDR" in env:  # collectives go out through the interface that reaches the driver
             env.update(collective_interface_env(env, env["MASTER_ADDR"]))
-        command = self._warm.command(spec.command, env, spec.cwd) if self._warm is not None else spec.command
         try:
-            proc = spawn_worker(command, env, spec.secret, spec.cwd, subprocess.PIPE, ENV_SECRET_FD)
+            proc = spawn_worker(spec.command, env, spec.secret, spec.cwd, subprocess.PIPE, ENV_SECRET_FD)
         except OSError as err:  # the command cannot be executed here (gone, or not executable)
             raise StartError(f"COMMAND: {spec.command[0]}: {err.strerror or err}") from None
         assert proc.stdout is not None

@@ -1,95 +1,105 @@
-"""The driver's end of ``--preload``: this machine's fork server, and workers started through it.
+"""The driver's end of ``--preload``: a fork server per machine, and workers started through it.
 
-The server (``fork_server.py``) is started with the first local worker, with that worker's
-interpreter and environment, and imports the preloaded modules while the first workers'
-clients (``fork_client.py``) wait in its listening queue: a job that starts N workers on
-one machine imports torch and Lightning once, not N times, and a replacement started
-later forks in milliseconds instead of importing for seconds. The driver binds the socket
-itself (in a directory only its user can enter) and hands the server the bound socket, so
-no client can come before there is somewhere to queue.
+``WarmStarts`` wraps the launcher that starts workers (local, or ssh for other hosts). On
+a machine's first worker it starts that machine's fork server (``fork_server.py``) the way
+it starts a worker there, with the worker's interpreter and environment, and then starts
+every worker of the machine as the small client (``fork_client.py``) that has the server
+fork it. The server imports the preloaded modules once while the first clients wait for
+it: N workers on one machine import torch and Lightning once, not N times, and a
+replacement forks in milliseconds instead of importing for seconds. ``prepare`` starts a
+machine's server before any worker needs it (a listed spare host), so that its first
+worker is warm too.
 
-Local workers only: a worker on another machine starts cold, as without ``--preload``.
+The hosts the driver runs itself are one machine, one server; any other host has its own.
+A server that has ended (its host gone) is forgotten, and started again if its host comes
+back: the table holds live servers only.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
-import os
-import shutil
+import secrets
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
-from lightning_elastic.launcher.processes.spawn import die_with_parent_preexec
+from lightning_elastic.launcher.errors import StartError
+from lightning_elastic.launcher.processes.base import WorkerLauncher, WorkerProcess, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-CLIENT = Path(__file__).resolve().with_name("fork_client.py")
 SERVER_MODULE = "lightning_elastic.launcher.processes.fork_server"
-LISTEN_QUEUE = 4096  # clients queue here while the server imports: every worker of a big first round
+CLIENT_MODULE = "lightning_elastic.launcher.processes.fork_client"
+STOP_GRACE = 5.0  # seconds a server gets to remove its directory after SIGTERM
+LOCAL = "this machine"
 
 
-class WarmStart:
-    """One fork server for this machine, started on first use and stopped by ``close()``."""
+@dataclasses.dataclass
+class _Server:
+    token: str  # names its directory on its host (fork_client.server_directory)
+    process: WorkerProcess
 
-    def __init__(self, modules: Sequence[str], secret_fd_variable: str) -> None:
-        self._modules = tuple(modules)
+
+class WarmStarts:
+    """A ``WorkerLauncher`` that forks each worker from its machine's fork server."""
+
+    def __init__(self, inner: WorkerLauncher, modules: Sequence[str], is_local: Callable[[str], bool],
+                 secret_fd_variable: str) -> None:
+        self._inner = inner
+        self._modules = ",".join(modules)
+        self._is_local = is_local
         self._secret_fd_variable = secret_fd_variable
-        self._directory: str | None = None
-        self._server: subprocess.Popen[bytes] | None = None
-        self._tried = False  # a server that could not start is not tried again for every worker
+        self._servers: dict[str, _Server] = {}
 
-    @property
-    def server_pid(self) -> int | None:
-        return self._server.pid if self._server is not None else None
+    def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> WorkerProcess:
+        server = self._server_for(spec)
+        if server is None:  # no server could be started there: as without --preload
+            return self._inner.start(spec, prefix)
+        command = (spec.command[0], "-m", CLIENT_MODULE, server.token, self._secret_fd_variable, "--", *spec.command)
+        return self._inner.start(dataclasses.replace(spec, command=command), prefix)
 
-    def command(self, command: Sequence[str], env: Mapping[str, str], cwd: str) -> list[str]:
-        """The command that starts ``command`` forked from the server (started now if none is)."""
-        if not self._tried:
-            self._tried = True
-            self._start(command, env, cwd)
-        assert self._directory is not None
-        return [sys.executable, "-I", str(CLIENT), os.path.join(self._directory, "socket"),
-                self._secret_fd_variable, "--", *command]
+    def prepare(self, spec: WorkerSpec) -> None:
+        """Start the fork server of ``spec.host``'s machine now, if it has none (no worker starts)."""
+        self._server_for(spec)
 
-    def _start(self, command: Sequence[str], env: Mapping[str, str], cwd: str) -> None:
-        python = command[0]
-        self._directory = tempfile.mkdtemp(prefix="lightning-elastic-fork-")  # mode 0700
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def server_pid(self, host: str) -> int | None:
+        """The local pid that stands for the server of ``host``'s machine (for ssh: its ssh client's)."""
+        server = self._servers.get(self._machine(host))
+        return server.process.pid if server is not None else None
+
+    def _machine(self, host: str) -> str:
+        return LOCAL if self._is_local(host) else host
+
+    def _server_for(self, spec: WorkerSpec) -> _Server | None:
+        for machine, known in list(self._servers.items()):
+            if known.process.poll() is not None:
+                del self._servers[machine]  # ended (its host lost, its connection cut)
+        machine = self._machine(spec.host)
+        server = self._servers.get(machine)
+        if server is not None:
+            return server
+        token = secrets.token_hex(16)
+        command = (spec.command[0], "-m", SERVER_MODULE, token, self._modules, "--", *spec.command)
+        server_spec = dataclasses.replace(spec, worker_id=f"fork server on {machine}", command=command,
+                                          log_file=None)
         try:
-            listener.bind(os.path.join(self._directory, "socket"))
-            listener.listen(LISTEN_QUEUE)
-            server_env = {k: v for k, v in env.items() if k != self._secret_fd_variable}
-            try:
-                self._server = subprocess.Popen(
-                    # The workers' command after "--" is for ps (and the tests' search for
-                    # strays): a forked worker shows the server's command line.
-                    [python, "-m", SERVER_MODULE, str(listener.fileno()), ",".join(self._modules), "--", *command],
-                    env=server_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    pass_fds=(listener.fileno(),), start_new_session=True,
-                    preexec_fn=die_with_parent_preexec(),  # type: ignore[arg-type]
-                )
-            except OSError as err:
-                # No server: every client finds nobody listening and starts cold, saying why.
-                log.error("--preload: cannot start the fork server with %s: %s", python, err.strerror or err)
-                return
-            log.info("Workers on this machine fork from a server that preloads %s (pid %d).",
-                     ", ".join(self._modules), self._server.pid)
-        finally:
-            # The server holds the socket now. Ours closed, a server that dies leaves nobody
-            # listening: clients are refused at once and start cold, instead of queueing.
-            listener.close()
+            process = self._inner.start(server_spec, lambda: "[fork server] ")
+        except StartError as err:
+            log.error("--preload: cannot start the fork server on %s: %s", machine, err)
+            return None
+        log.info("Workers on %s fork from a server that preloads %s (pid %d).", machine, self._modules, process.pid)
+        server = self._servers[machine] = _Server(token, process)
+        return server
 
     def close(self) -> None:
-        """Stop the server (its workers die with it) and remove its socket."""
-        if self._server is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self._server.send_signal(signal.SIGKILL)
-            self._server.wait()
-        if self._directory is not None:
-            shutil.rmtree(self._directory, ignore_errors=True)
+        """Stop every server (the driver has stopped the workers first): SIGTERM, so that it
+        removes its directory, then SIGKILL after a bound."""
+        servers = [s.process for s in self._servers.values()]
+        for process in servers:
+            process.signal(signal.SIGTERM)
+        for process in servers:
+            if process.wait(STOP_GRACE) is None:
+                process.signal(signal.SIGKILL)
+                process.wait(STOP_GRACE)
+            process.finish_output()
+        self._servers.clear()

@@ -286,13 +286,31 @@ def only_host_does_not_resolve(d: Path):  # found by the driver, before any work
         "--driver-address or --network-interface)", {"hosts": UNRESOLVABLE})
 
 
+def preload_not_a_module_name(d: Path):
+    return ["launch", "--preload", "torch,lightning-pytorch", PYTHON, "-c", "pass"], {}, Line(
+        "--preload: {name!r} is not a module name, expected e.g. lightning.pytorch", {"name": "lightning-pytorch"})
+
+
+def preload_with_state_dir(d: Path):
+    return ["launch", "--preload", "torch", "--state-dir", str(d / "state"), PYTHON, "-c", "pass"], {}, Line(
+        "--preload: not supported with --state-dir yet (workers that outlive the driver cannot be forked from a "
+        "server that dies with it)", {})
+
+
+def preload_without_python(d: Path):
+    return ["launch", "--preload", "torch", "/bin/sh", "-c", "true"], {}, Line(
+        "--preload: COMMAND must start with a Python interpreter (python, python3, ...) to fork from, got "
+        "{program!r}", {"program": "/bin/sh"})
+
+
 INVALID: list[Case] = [
     command_not_on_path, command_here_but_not_on_path, command_file_missing, py_command_missing,
     command_not_executable, command_is_a_directory, log_dir_is_a_file, log_dir_under_a_file,
     state_dir_is_a_file, driver_patience_not_positive, driver_address_foreign, driver_address_not_ipv4, network_interface_unknown, discovery_script_is_a_directory,
     hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
     discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,
-    slurm_outside_an_allocation, only_host_does_not_resolve,
+    slurm_outside_an_allocation, only_host_does_not_resolve, preload_not_a_module_name, preload_with_state_dir,
+    preload_without_python,
 ]
 
 

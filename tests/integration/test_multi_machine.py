@@ -8,6 +8,7 @@ paths), so the example's event files and ``psutil`` see every host's workers.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -321,3 +322,36 @@ def _our_processes(hosts: NamespacedHosts, name: str, job: Job) -> list[int]:
         if str(job.events_dir) in cmdline or "lightning_elastic.launcher.processes.supervisor" in cmdline:
             found.append(pid)
     return found
+
+
+def test_preloaded_workers_fork_from_their_own_hosts_server_and_a_spare_is_warm(
+        job: Job, hosts: NamespacedHosts) -> None:
+    # --preload on machines of their own: one fork server per host, started through ssh like
+    # a worker (h3, a listed spare, gets its server before any worker needs it); a worker
+    # SIGKILLed on h2 is replaced on h3 by a fork of h3's server.
+    h1, h2, h3 = hosts.names
+    dirs_before = set(glob.glob("/tmp/lightning-elastic-fork-*"))
+    job.start(launch_args(hosts, "-np", "3", "--min-np", "1", "--max-np", "3", "-H", f"{h1}:2,{h2}:1,{h3}:1",
+                          "--preload", "torch"), [*STEADY, "--epochs", "4"])
+    servers = wait_for(lambda: dict(re.findall(r"Workers on (\S+) fork from a server", job.stderr()))
+                       if len(re.findall(r"Workers on (\S+) fork from a server", job.stderr())) == 3 else None,
+                       60, "a fork server on each of the three hosts")
+    assert set(servers) == {h1, h2, h3}
+    job.wait_steps(5)
+    parents = {h: {psutil.Process(pid).ppid() for pid in worker_pids(job, h)} for h in (h1, h2)}
+    assert len(parents[h1]) == 1 and len(parents[h2]) == 1 and parents[h1] != parents[h2]  # one per machine
+    for host, (parent,) in parents.items():
+        assert parent in hosts.pids(host)  # the server runs on the worker's own host
+    os.kill(job.worker_pid(h2), signal.SIGKILL)
+    replacement = wait_for(lambda: worker_pids(job, h3), 60, f"the replacement on {h3}")
+    (spare_server,) = {psutil.Process(pid).ppid() for pid in replacement}
+    assert spare_server in hosts.pids(h3)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert f"worker {h2}[0]#2 was killed by SIGKILL" in job.stderr()
+    assert job.world_sizes() == [3, 2, 3]
+    assert "starting cold" not in job.stdout() + job.stderr()
+    assert_epochs_complete(job, 4)
+    assert_replicas_identical(job)
+    for name in hosts.names:
+        assert wait_for(lambda: not _our_processes(hosts, name, job), 10, f"nothing left on {name}")
+    assert set(glob.glob("/tmp/lightning-elastic-fork-*")) == dirs_before  # each server removed its directory

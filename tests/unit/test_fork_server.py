@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import signal
 import stat
 import subprocess
@@ -20,10 +22,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lightning_elastic.launcher.processes.fork_server import environment_difference, parse_command, Program
+from lightning_elastic.launcher.errors import StartError
+from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.fork_client import server_directory
+from lightning_elastic.launcher.processes.fork_server import Program, environment_difference, parse_command
 from lightning_elastic.launcher.processes.spawn import spawn_worker
-from lightning_elastic.launcher.processes.warm_start import WarmStart
+from lightning_elastic.launcher.processes.warm_start import CLIENT_MODULE, SERVER_MODULE, WarmStarts
 from lightning_elastic.protocol import ENV_SECRET_FD
+from tests.troubleshooting_rows import documented_row
 from tests.unit.proc_tools import BOUND
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,18 +67,39 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+class Server:
+    """A fork server started as ``WarmStarts`` starts one (as a worker), and its clients."""
+
+    def __init__(self, modules: tuple[str, ...], env: dict[str, str], cwd: Path) -> None:
+        self.token = secrets.token_hex(8)
+        self.directory = Path(server_directory(self.token))
+        command = [sys.executable, "-m", SERVER_MODULE, self.token, ",".join(modules)]
+        self.process = spawn_worker(command, env, SECRET, str(cwd), subprocess.DEVNULL, ENV_SECRET_FD)
+        self.pid = self.process.pid
+
+    def client(self, command: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
+        wrapped = [sys.executable, "-m", CLIENT_MODULE, self.token, ENV_SECRET_FD, "--", *command]
+        return spawn_worker(wrapped, env, SECRET, str(cwd), subprocess.PIPE, ENV_SECRET_FD)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(BOUND)
+
+
 @pytest.fixture
-def warm():
+def warm(tmp_path):
     started = []
 
-    def make(modules=("wave",)) -> WarmStart:
-        w = WarmStart(modules, ENV_SECRET_FD)
-        started.append(w)
-        return w
+    def make(modules=("wave",), env=None) -> Server:
+        server = Server(modules, env or base_env(), tmp_path)
+        started.append(server)
+        return server
 
     yield make
-    for w in started:
-        w.close()
+    for server in started:
+        server.process.kill()
+        server.process.wait(BOUND)
+        shutil.rmtree(server.directory, ignore_errors=True)
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -81,10 +108,8 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start(warm_start: WarmStart, script: Path, tmp_path: Path, *args: str, env=None) -> subprocess.Popen[bytes]:
-    env = env or base_env()
-    command = warm_start.command([sys.executable, str(script), *args], env, str(tmp_path))
-    return spawn_worker(command, env, SECRET, str(tmp_path), subprocess.PIPE, ENV_SECRET_FD)
+def start(server: Server, script: Path, tmp_path: Path, *args: str, env=None) -> subprocess.Popen[bytes]:
+    return server.client([sys.executable, str(script), *args], env or base_env(), tmp_path)
 
 
 def first_line(proc: subprocess.Popen[bytes]) -> dict:
@@ -178,7 +203,7 @@ def test_a_forked_worker_has_the_clients_arguments_environment_secret_and_sessio
     proc = start(w, script, tmp_path, "7", env=base_env(RANK="5"))
     seen = first_line(proc)
     assert proc.wait(BOUND) == 7
-    assert seen["parent"] == w.server_pid  # forked, not started cold
+    assert seen["parent"] == w.pid  # forked, not started cold
     assert seen["preloaded"]
     assert seen["name"] == "__main__"
     assert seen["argv"] == [str(script), "7"]
@@ -229,19 +254,15 @@ def test_sigkill_of_the_clients_group_kills_the_worker_too(warm, script, tmp_pat
     wait_gone(worker)
 
 
-def test_closing_stops_the_server_its_workers_and_removes_the_socket(warm, script, tmp_path):
+def test_sigterm_stops_the_server_its_workers_and_removes_its_directory(warm, script, tmp_path):
     w = warm()
     proc = start(w, script, tmp_path, "sleep")
     worker = first_line(proc)["pid"]
-    socket_dir = Path(w.command([sys.executable, str(script)], base_env(), str(tmp_path))[3]).parent
-    assert stat.S_IMODE(socket_dir.stat().st_mode) == 0o700  # only its user may connect
-    server = w.server_pid
-    w.close()
-    assert server is not None
-    wait_gone(server)
+    assert stat.S_IMODE(w.directory.stat().st_mode) == 0o700  # only its user may connect
+    w.stop()
     wait_gone(worker)
     assert proc.wait(BOUND) != 0
-    assert not socket_dir.exists()
+    assert not w.directory.exists()
 
 
 # ----- starting cold ----------------------------------------------------------------------
@@ -251,8 +272,11 @@ def test_a_different_environment_starts_cold_and_says_why(warm, script, tmp_path
     w = warm()
     start(w, script, tmp_path, "0").wait(BOUND)  # the server took the first worker's environment
     seen, text = cold_start(start(w, script, tmp_path, "0", env=base_env(PYTHONHASHSEED="3")))
-    assert seen["parent"] != w.server_pid and seen["secret"] == SECRET
-    assert "--preload: the environment differs from the fork server's in PYTHONHASHSEED: starting cold" in text
+    assert seen["parent"] != w.pid and seen["secret"] == SECRET
+    line = text.splitlines()[0]
+    assert line == "lightning-elastic: --preload: the environment differs from the fork server's in PYTHONHASHSEED: " \
+                   "starting cold"
+    assert documented_row(line), "docs/troubleshooting.md has no row for it"
 
 
 def test_a_module_that_cannot_be_imported_leaves_every_worker_cold(warm, script, tmp_path):
@@ -265,9 +289,9 @@ def test_a_server_with_a_second_thread_is_not_forked(warm, script, tmp_path):
     (tmp_path / "starts_a_thread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
     env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    w = warm(("starts_a_thread",))
+    w = warm(("starts_a_thread",), env)
     seen, text = cold_start(start(w, script, tmp_path, "0", env=env))
-    assert seen["parent"] != w.server_pid
+    assert seen["parent"] != w.pid
     assert "the fork server runs 2 threads" in text
 
 
@@ -278,11 +302,11 @@ def test_variables_a_preloaded_module_sets_at_import_are_the_workers_too(warm, s
     (tmp_path / "scripts" / "reads.py").write_text(
         "import os, sys\nprint(os.environ.get('SET_AT_IMPORT'), os.getppid(), flush=True)\n")
     env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    w = warm(("sets_a_variable",))
+    w = warm(("sets_a_variable",), env)
     proc = start(w, tmp_path / "scripts" / "reads.py", tmp_path, env=env)
     text = output(proc)
     assert proc.wait(BOUND) == 0
-    assert text.split() == ["yes", str(w.server_pid)], text
+    assert text.split() == ["yes", str(w.pid)], text
 
 
 def test_a_server_with_cuda_initialised_is_not_forked(warm, script, tmp_path):
@@ -292,7 +316,93 @@ def test_a_server_with_cuda_initialised_is_not_forked(warm, script, tmp_path):
         "import sys, types\n"
         "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))\n")
     env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    w = warm(("fake_cuda_torch",))
+    w = warm(("fake_cuda_torch",), env)
     seen, text = cold_start(start(w, script, tmp_path, "0", env=env))
-    assert seen["parent"] != w.server_pid
+    assert seen["parent"] != w.pid
     assert "initialised CUDA in the fork server" in text
+
+
+def test_a_server_directory_other_users_could_enter_is_refused(script, tmp_path):
+    token = secrets.token_hex(8)
+    directory = Path(server_directory(token))
+    directory.mkdir(mode=0o755)  # as someone who read the token in ps could have made it first
+    directory.chmod(0o755)
+    try:
+        client = [sys.executable, "-m", CLIENT_MODULE, token, ENV_SECRET_FD, "--", sys.executable, str(script), "0"]
+        seen, text = cold_start(spawn_worker(client, base_env(), SECRET, str(tmp_path), subprocess.PIPE, ENV_SECRET_FD))
+    finally:
+        directory.rmdir()
+    assert seen["secret"] == SECRET  # the descriptors and the secret went to nobody else
+    assert f"--preload: {directory} is not a directory of this user's alone: starting cold" in text
+
+
+# ----- WarmStarts: which server a worker is forked from -----------------------------------
+
+
+class FakeProcess:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.status: int | None = None
+        self.signals: list[int] = []
+
+    def poll(self):
+        return self.status
+
+    def signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        self.status = -sig
+
+    def wait(self, timeout: float):
+        return self.status
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        pass
+
+
+class FakeLauncher:
+    def __init__(self) -> None:
+        self.started: list[tuple[WorkerSpec, FakeProcess]] = []
+        self.refuse: set[str] = set()
+
+    def start(self, spec: WorkerSpec, prefix) -> FakeProcess:
+        if spec.host in self.refuse:
+            raise StartError(f"cannot run ssh to start a worker on {spec.host}")
+        proc = FakeProcess(1000 + len(self.started))
+        self.started.append((spec, proc))
+        return proc
+
+
+def spec_on(host: str) -> WorkerSpec:
+    return WorkerSpec(worker_id=f"{host}[0]#0", host=host, command=("python", "train.py"), env={"A": "1"},
+                      secret=SECRET, cwd="/work")
+
+
+def test_local_hosts_share_one_server_and_every_other_host_has_its_own():
+    inner = FakeLauncher()
+    warm = WarmStarts(inner, ("torch", "lightning.pytorch"), lambda host: host.startswith("127."), ENV_SECRET_FD)
+    for host in ("127.0.0.1", "127.0.0.2", "node-a", "node-a", "node-b"):
+        warm.start(spec_on(host), lambda: "[0] ")
+    servers = [spec for spec, _ in inner.started if spec.command[2] == SERVER_MODULE]
+    assert [s.host for s in servers] == ["127.0.0.1", "node-a", "node-b"]
+    server = servers[0]
+    token = server.command[3]
+    assert server.command == ("python", "-m", SERVER_MODULE, token, "torch,lightning.pytorch", "--", "python", "train.py")
+    assert server.env == {"A": "1"}  # the worker's own environment, as the server must import under it
+    workers = [spec for spec, _ in inner.started if spec.command[2] == CLIENT_MODULE]
+    assert workers[1].command == ("python", "-m", CLIENT_MODULE, token, ENV_SECRET_FD, "--", "python", "train.py")
+    assert workers[0].command[3] == workers[1].command[3] != workers[2].command[3] == workers[3].command[3]
+
+
+def test_a_server_that_ended_is_started_again_and_one_that_cannot_start_leaves_workers_cold():
+    inner = FakeLauncher()
+    warm = WarmStarts(inner, ("torch",), lambda host: False, ENV_SECRET_FD)
+    warm.prepare(spec_on("node-a"))  # a listed spare: its server before any worker
+    first = inner.started[0][1]
+    first.status = -9  # its host was lost
+    warm.start(spec_on("node-a"), lambda: "[0] ")
+    assert [spec.command[2] for spec, _ in inner.started] == [SERVER_MODULE, SERVER_MODULE, CLIENT_MODULE]
+    inner.refuse.add("node-b")
+    with pytest.raises(StartError):
+        warm.start(spec_on("node-b"), lambda: "[1] ")  # the worker's own start fails the same way, and says so
+    warm.close()
+    assert inner.started[1][1].signals == [signal.SIGTERM]  # so that it removes its directory
