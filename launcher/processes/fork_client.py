@@ -48,7 +48,8 @@ ANSWER_PATIENCE = 300.0
 # The driver starts the server just before the first workers: how long a client waits for
 # its socket to appear (a server that failed says so at once, in FAILED).
 SERVER_APPEARANCE = 15.0
-FAILED = "failed"  # the file in the server's directory that says why it serves nobody
+FAILED = "failed"
+DIRECTORY_PREFIX = "lightning-elastic-fork-"  # the file in the server's directory that says why it serves nobody
 MAX_MESSAGE = 1 << 20  # bytes: an environment, arguments and a path fit many times over
 MAX_DESCRIPTORS = 4
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
@@ -96,7 +97,7 @@ class LineReader:
 
 def server_directory(token: str, env: dict[str, str] | os._Environ = os.environ) -> str:
     """Where the fork server of TOKEN listens, on the host both run on."""
-    return os.path.join(env.get("TMPDIR") or "/tmp", f"lightning-elastic-fork-{token}")
+    return os.path.join(env.get("TMPDIR") or "/tmp", f"{DIRECTORY_PREFIX}{token}")
 
 
 def _find_server(token: str) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import importlib
 import io
 import os
@@ -51,17 +52,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-from lightning_elastic.launcher.processes.fork_client import FAILED, LineReader, send_message, server_directory
+from lightning_elastic.launcher.processes.fork_client import (
+    DIRECTORY_PREFIX,
+    FAILED,
+    LineReader,
+    send_message,
+    server_directory,
+)
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 _PR_SET_PDEATHSIG = 1
 REQUEST_PATIENCE = 5.0  # seconds a connected client gets to send its request
+LOCK = "lock"  # in the server's directory: held while it lives (see remove_abandoned)
 LISTEN_QUEUE = 4096  # clients queue here while the server imports: every worker of a big first round
 # Set per worker by the driver or its launcher, and read by a worker after it starts
 # (never by an import): a difference in these does not make a fork differ from a cold start.
 PER_WORKER = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
+    # Set by sshd (and PAM) per connection: each worker on another host has its own ssh session.
+    "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK", "XDG_SESSION_ID",
 })
 PER_WORKER_PREFIXES = ("LIGHTNING_ELASTIC_",)
 
@@ -147,10 +157,12 @@ class Server:
     """The accept, fork and reap loop. ``serve()`` returns only in a forked child, with the
     request it is to run; the server itself runs until it is killed."""
 
-    def __init__(self, listener: socket.socket, env: Mapping[str, str]) -> None:
+    def __init__(self, listener: socket.socket, env: Mapping[str, str], lock: int) -> None:
         """``env``: the environment the server started with, before the preloaded modules
-        changed it (Lightning sets variables of torch's as it is imported)."""
+        changed it (Lightning sets variables of torch's as it is imported); ``lock``: the
+        descriptor that holds the directory's lock (a child must not keep it held)."""
         self._listener = listener
+        self._lock = lock
         self._env = dict(env)
         self._import_changes = {k: v for k, v in os.environ.items() if env.get(k) != v}
         self._import_removals = [k for k in env if k not in os.environ]
@@ -309,6 +321,7 @@ class Server:
                 conn.close()
         self._children.clear()
         self._listener.close()
+        os.close(self._lock)  # the server's own descriptor keeps the lock
         request.conn.close()
         os.close(self._wake_read)
         os.close(self._wake_write)
@@ -405,14 +418,44 @@ def _close_all(fds: list[int]) -> None:
             os.close(fd)
 
 
-def _listen(directory: str) -> socket.socket:
-    """Make the server's directory, this user's alone, and listen in it. A directory that
-    exists already is never reused: someone else may have made it."""
+def _listen(directory: str) -> tuple[socket.socket, int]:
+    """Make the server's directory, this user's alone, hold its lock and listen in it. A
+    directory that exists already is never reused: someone else may have made it."""
     os.mkdir(directory, 0o700)
+    # Held while the server lives (SIGKILL releases it too), and locked before it has its
+    # name: a sweep by another server never finds it free while this one starts.
+    lock = os.open(os.path.join(directory, LOCK + ".new"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.rename(os.path.join(directory, LOCK + ".new"), os.path.join(directory, LOCK))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.path.join(directory, "socket"))
     listener.listen(LISTEN_QUEUE)
-    return listener
+    return listener, lock
+
+
+def remove_abandoned(parent: str) -> None:
+    """Remove the directories of this user's fork servers that died without removing theirs
+    (SIGKILLed with their driver): their lock is free. A directory of a live server, or one
+    too young to hold its lock yet, is left alone."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(DIRECTORY_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        directory = os.path.join(parent, name)
+        try:
+            if os.lstat(directory).st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(directory, LOCK), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its server lives
+        finally:
+            os.close(fd)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _preload(modules: list[str]) -> str | None:
@@ -442,8 +485,9 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     directory = server_directory(token)
     signal.signal(signal.SIGTERM, _stop)
+    remove_abandoned(os.path.dirname(directory))
     try:
-        listener = _listen(directory)
+        listener, lock = _listen(directory)
     except OSError as err:
         print(f"lightning-elastic: --preload: cannot listen in {directory}: {err}", file=sys.stderr, flush=True)
         return 1
@@ -459,7 +503,7 @@ def main(argv: list[str]) -> int:
             os.unlink(os.path.join(directory, "socket"))
             while True:
                 signal.pause()  # until the driver stops the server
-        request = Server(listener, env).serve()
+        request = Server(listener, env, lock).serve()
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise

@@ -191,7 +191,7 @@ def test_another_venv_on_the_same_base_interpreter_is_not_this_one(tmp_path):
 def test_only_variables_read_after_start_up_may_differ():
     ours = {"PATH": "/bin", "PYTHONPATH": "a", "RANK": "0", "LIGHTNING_ELASTIC_WORKER_ID": "h[0]#0"}
     theirs = {"PATH": "/bin", "PYTHONPATH": "b", "RANK": "3", "LIGHTNING_ELASTIC_WORKER_ID": "h[1]#4",
-              "CUDA_VISIBLE_DEVICES": "1", "TORCH_LOGS": "+dynamo"}
+              "CUDA_VISIBLE_DEVICES": "1", "TORCH_LOGS": "+dynamo", "SSH_CONNECTION": "10.0.0.1 51234 10.0.0.2 22"}
     assert environment_difference(ours, theirs) == ["PYTHONPATH", "TORCH_LOGS"]
 
 
@@ -406,3 +406,24 @@ def test_a_server_that_ended_is_started_again_and_one_that_cannot_start_leaves_w
         warm.start(spec_on("node-b"), lambda: "[1] ")  # the worker's own start fails the same way, and says so
     warm.close()
     assert inner.started[1][1].signals == [signal.SIGTERM]  # so that it removes its directory
+
+
+def test_a_directory_left_by_a_sigkilled_server_is_removed_by_the_next_one(warm, tmp_path):
+    dead = warm()
+    wait_for_path(dead.directory / "socket")
+    dead.process.kill()  # SIGKILLed with its driver: no clean-up of its own
+    dead.process.wait(BOUND)
+    assert dead.directory.exists()
+    live = warm()
+    wait_for_path(live.directory / "socket")
+    assert not dead.directory.exists()
+    survivor = warm()  # a live server's directory is never touched
+    wait_for_path(survivor.directory / "socket")
+    assert live.directory.exists()
+
+
+def wait_for_path(path: Path) -> None:
+    deadline = time.monotonic() + BOUND
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path}"
+        time.sleep(0.02)
