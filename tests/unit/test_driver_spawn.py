@@ -118,3 +118,36 @@ def test_a_change_made_while_workers_start_is_decided_on_at_once_not_a_tick_late
     result = driver.run()
     assert len(passes) >= 2 and passes[1] - passes[0] < 1.5, passes
     assert not result.success
+
+
+class PreparingLauncher:
+    """A launcher that keeps fork servers (``--preload``): records what it is asked, and
+    stops the job once the workers started and the spare's server was prepared."""
+
+    def __init__(self) -> None:
+        self.driver: Driver | None = None
+        self.events: list[tuple[str, str]] = []
+
+    def start(self, spec: WorkerSpec, prefix: Callable[[], str]):
+        self.events.append(("start", spec.host))
+        return IdleProcess()
+
+    def prepare(self, spec: WorkerSpec) -> None:
+        assert self.driver is not None
+        assert not self.driver._registry.cond._is_owned()  # noqa: SLF001 - the lock is released meanwhile
+        assert "RANK" not in spec.env and spec.command == ("python", "t.py")  # the job's, no worker's own
+        self.events.append(("prepare", spec.host))
+        self.driver.request_stop("SIGINT")
+
+
+def test_with_preload_every_listed_host_gets_its_fork_server_after_the_workers_start() -> None:
+    hosts = (HostSlots("h1", 1), HostSlots("h2", 1), HostSlots("spare", 1))
+    config = LaunchConfig(command=("python", "t.py"), np=2, min_np=1, max_np=2, hosts=hosts, preload=("torch",))
+    launcher = PreparingLauncher()
+    driver = Driver(config, FixedHosts(hosts), launcher, is_local=lambda _host: True)
+    launcher.driver = driver
+    driver.run()
+    # The workers first; then every listed host, the spare included (the launcher dedups
+    # machines that already have one), each once.
+    assert launcher.events[:2] == [("start", "h1"), ("start", "h2")]
+    assert sorted(launcher.events[2:]) == [("prepare", "h1"), ("prepare", "h2"), ("prepare", "spare")]
