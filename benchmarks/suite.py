@@ -94,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser.add_argument("--goodput-tools", default=",".join(goodput.DEFAULT_TOOLS),
                         help=f"goodput: a subset of {','.join(goodput.TOOLS)} (default: all but the +preload ones: "
                              f"{','.join(goodput.DEFAULT_TOOLS)})")
+    parser.add_argument("--goodput-preload-loop", default=goodput.PRELOAD["loop"], metavar="MODULE[,MODULE...]",
+                        help=f"goodput: --preload of le/loop+preload (default {goodput.PRELOAD['loop']})")
+    parser.add_argument("--goodput-preload-lightning", default=goodput.PRELOAD["lightning"], metavar="MODULE[,MODULE...]",
+                        help=f"goodput: --preload of le/lightning+preload (default {goodput.PRELOAD['lightning']})")
     parser.add_argument("--goodput-no-failure-free", action="store_true",
                         help="goodput: skip the failure-free runs (the '/ failure-free' column stays empty; "
                              "'/ own full-world pace' needs none)")
@@ -132,7 +136,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         goodput=goodput.Settings(periods=periods, duration=pick(args.goodput_duration, 90, 30),
                                  trials=pick(args.goodput_trials, 3, 1), modes=modes, bound=args.recovery_bound,
                                  tools=tools, startup_nice=args.goodput_startup_nice,
-                                 failure_free=not args.goodput_no_failure_free),
+                                 failure_free=not args.goodput_no_failure_free,
+                                 preload={"loop": args.goodput_preload_loop,
+                                          "lightning": args.goodput_preload_lightning}),
     )
     return config, args
 

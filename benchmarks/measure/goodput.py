@@ -100,7 +100,8 @@ WORKLOADS = {
     "lightning": ("lightning_train.py", "Lightning elastic_hvd", "Lightning ddp, torchrun (checkpoint every 10)"),
 }
 TORCHFT_LABEL = "torchft (peers/torchft_loop.py, replica restarted)"
-# --preload for the "+preload" tools: what each workload's script imports at its top.
+# --preload for the "+preload" tools by default: what each workload's script imports at its
+# top (Settings.preload overrides: the loop's DDP imports torch._dynamo lazily, ~1 s more).
 PRELOAD = {"loop": "torch", "lightning": "lightning.pytorch"}
 TOOLS = ("le/loop", "le/lightning", "le/loop+preload", "le/lightning+preload", "torchrun/loop",
          "torchrun/lightning", "torchft")
@@ -122,6 +123,7 @@ class Settings:
     bound: float  # seconds to wait for a step after a kill
     tools: tuple[str, ...] = DEFAULT_TOOLS
     failure_free: bool = True  # also run each tool without kills (the "/ failure-free" column)
+    preload: dict[str, str] = dataclasses.field(default_factory=lambda: dict(PRELOAD))  # workload -> --preload
     start_timeout: float = 300.0
     # Workers start at this nice value and take normal priority once joined
     # (workloads/startup_priority.py): a replacement's start-up then takes little of the
@@ -514,9 +516,9 @@ def plan_entries(settings: Settings) -> dict[str, dict[str, Any]]:
     entries: dict[str, dict[str, Any]] = {}
     periods: list[float | None] = [None, *settings.periods] if settings.failure_free else list(settings.periods)
     for workload_name, (_, elastic_label, torchrun_label) in WORKLOADS.items():
+        modules = settings.preload[workload_name]
         for tool, label, preload in ((f"le/{workload_name}", elastic_label, None),
-                                     (f"le/{workload_name}+preload",
-                                      f"{elastic_label} --preload {PRELOAD[workload_name]}", PRELOAD[workload_name])):
+                                     (f"le/{workload_name}+preload", f"{elastic_label} --preload {modules}", modules)):
             for period in periods:
                 modes = ["none"] if period is None else list(settings.modes)
                 for mode in modes:
@@ -542,6 +544,7 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
         print(f"{key}: skipped ({reason})", flush=True)
     return {"workers": WORKERS, "batch": BATCH, "run_s": settings.duration, "periods_s": list(settings.periods),
             "bound_s": settings.bound, "startup_nice": settings.startup_nice, "failure_free": settings.failure_free,
+            "preload": settings.preload,
             "runs": {key: {**entry, "trials": results[key], "skipped": skipped.get(key)}
                      for key, entry in entries.items()}}
 
