@@ -57,6 +57,7 @@ CADENCE = ("--commit-every", "10", "--check-every", "1")
 START_TIMEOUT = 300.0
 REPLACEMENT_TIMEOUT = 120.0
 EXIT_GRACE = 30.0
+NO_EXIT = f"the launcher itself (no exit within {EXIT_GRACE:.0f} s of SIGTERM)"
 
 
 def command(tool: str, workers: int, directory: Path) -> list[str]:
@@ -150,7 +151,7 @@ def stop_driver(job: Job) -> list[str]:
     except ProcessLookupError:
         pass
     if job.wait(EXIT_GRACE) is None:
-        return ["the launcher itself (no exit within 30 s of SIGTERM)"]
+        return [NO_EXIT]
     deadline = time.monotonic() + 5
     while (left := tagged_processes(job.tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -176,10 +177,14 @@ def report(result: dict[str, Any]) -> str:
                 return ""
             return summary(lambda v: v["replacement"][name])
 
-        left = sum(len(t["value"]["left_after_exit"]) for t in trials if t["ok"])
+        lefts = [t["value"]["left_after_exit"] for t in trials if t["ok"]]
+        stuck = sum(NO_EXIT in left for left in lefts)
+        left = str(sum(len(x) for x in lefts if NO_EXIT not in x))
+        if stuck:
+            left += f"; launcher still running {EXIT_GRACE:.0f} s after SIGTERM in {stuck} of {len(lefts)}"
         rows.append([entry["label"], str(entry["workers"]), summary(lambda v: v["first_step_s"]),
                      summary(lambda v: v["all_stepped_s"]), replaced("kill_to_started_s"),
-                     replaced("started_to_first_step_s"), replaced("started_to_joined_s"), str(left)])
+                     replaced("started_to_first_step_s"), replaced("started_to_joined_s"), left])
     notes = [f"- {key}: {t['error'].splitlines()[0]}" for key, entry in result["runs"].items()
              for t in entry["trials"] if not t["ok"]]
     return ("Start-up, Lightning small model, N local workers, median (range) over trials:\n\n"
