@@ -19,7 +19,8 @@ Measurements (each module's docstring says exactly what it does):
 - ``goodput``   (measure/goodput.py): a SIGKILL every 10 s (``--goodput-every``) for 90 s of training,
   capacity returned by a fresh host, a spare listed or ``--spares``: samples kept per second
   against the failure-free run, steps redone, time to the next round and back to full size;
-  torchrun (restart all, checkpoint every 10 steps) and torchft alike.
+  torchrun (restart all, checkpoint every 10 steps) and torchft alike; ``le/loop+preload`` and
+  ``le/lightning+preload`` (``--goodput-tools``) run lightning-elastic with ``--preload``.
 
 Trials of the tools being compared are interleaved (trial 1 of each, then trial 2, ...).
 Every trial is kept, failed ones with their reason; results go to
@@ -90,8 +91,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
                         help="goodput: lightning-elastic's workers start at nice N and take normal priority once "
                              "joined (root), so a replacement's start-up spares the survivors' cores as another "
                              "machine would (default: no change)")
-    parser.add_argument("--goodput-tools", default=",".join(goodput.TOOLS),
-                        help=f"goodput: a subset of {','.join(goodput.TOOLS)} (default: all)")
+    parser.add_argument("--goodput-tools", default=",".join(goodput.DEFAULT_TOOLS),
+                        help=f"goodput: a subset of {','.join(goodput.TOOLS)} (default: all but the +preload ones: "
+                             f"{','.join(goodput.DEFAULT_TOOLS)})")
+    parser.add_argument("--goodput-preload-loop", default=goodput.PRELOAD["loop"], metavar="MODULE[,MODULE...]",
+                        help=f"goodput: --preload of le/loop+preload (default {goodput.PRELOAD['loop']})")
+    parser.add_argument("--goodput-preload-lightning", default=goodput.PRELOAD["lightning"], metavar="MODULE[,MODULE...]",
+                        help=f"goodput: --preload of le/lightning+preload (default {goodput.PRELOAD['lightning']})")
+    parser.add_argument("--goodput-no-failure-free", action="store_true",
+                        help="goodput: skip the failure-free runs (the '/ failure-free' column stays empty; "
+                             "'/ own full-world pace' needs none)")
     parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/<date>.json)")
     parser.add_argument("--workdir", type=Path, help="keep every trial's logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -126,7 +135,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         recovery_bound=args.recovery_bound,
         goodput=goodput.Settings(periods=periods, duration=pick(args.goodput_duration, 90, 30),
                                  trials=pick(args.goodput_trials, 3, 1), modes=modes, bound=args.recovery_bound,
-                                 tools=tools, startup_nice=args.goodput_startup_nice),
+                                 tools=tools, startup_nice=args.goodput_startup_nice,
+                                 failure_free=not args.goodput_no_failure_free,
+                                 preload={"loop": args.goodput_preload_loop,
+                                          "lightning": args.goodput_preload_lightning}),
     )
     return config, args
 

@@ -19,6 +19,13 @@ previous one). Per tool (trials interleaved):
   rendezvous); skipped, with the reason, when the installed CLI does not know ``--spares``.
   The failure-free run (``none``) lists 3 hosts.
 - ``le/lightning``: workloads/lightning_train.py, ``elastic_hvd``, the same launch and cadence.
+- ``le/loop+preload``, ``le/lightning+preload``: the same with ``--preload torch`` and
+  ``--preload lightning.pytorch`` (``PRELOAD``): every worker, replacements included, forked
+  from the driver's fork server, which imported the module once. On this one machine every
+  loopback "host" is the driver's own, so a fresh host forks from the warm server too (on a
+  fleet, a new machine would import for itself). A trial whose job printed the launcher's
+  "starting cold" line (a worker that was not forked), or that never started a fork server,
+  fails with that line.
 - ``torchrun/loop``, ``torchrun/lightning`` (Lightning ``ddp``): ``torchrun --standalone
   --nproc-per-node 3 --max-restarts 1000`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   (as in measure/recovery.py): a lost worker restarts every worker, which resume from
@@ -93,7 +100,18 @@ WORKLOADS = {
     "lightning": ("lightning_train.py", "Lightning elastic_hvd", "Lightning ddp, torchrun (checkpoint every 10)"),
 }
 TORCHFT_LABEL = "torchft (peers/torchft_loop.py, replica restarted)"
-TOOLS = ("le/loop", "le/lightning", "torchrun/loop", "torchrun/lightning", "torchft")
+# --preload for the "+preload" tools by default: what each workload's script imports at its
+# top (Settings.preload overrides: the loop's DDP imports torch._dynamo lazily, ~1 s more).
+PRELOAD = {"loop": "torch", "lightning": "lightning.pytorch"}
+TOOLS = ("le/loop", "le/lightning", "le/loop+preload", "le/lightning+preload", "torchrun/loop",
+         "torchrun/lightning", "torchft")
+DEFAULT_TOOLS = ("le/loop", "le/lightning", "torchrun/loop", "torchrun/lightning", "torchft")
+# The launcher's lines (fork_client.py, warm_start.py, fork_server.py) that tell whether the
+# workers of a --preload job were forked.
+COLD_MARK = "starting cold"
+SERVER_MARK = "fork from a server that preloads"
+SERVER_GONE_MARKS = ("the fork server ended while worker process", "--preload: cannot import",
+                     "cannot start the fork server")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +121,9 @@ class Settings:
     trials: int
     modes: tuple[str, ...]  # subset of CAPACITY
     bound: float  # seconds to wait for a step after a kill
-    tools: tuple[str, ...] = TOOLS
+    tools: tuple[str, ...] = DEFAULT_TOOLS
+    failure_free: bool = True  # also run each tool without kills (the "/ failure-free" column)
+    preload: dict[str, str] = dataclasses.field(default_factory=lambda: dict(PRELOAD))  # workload -> --preload
     start_timeout: float = 300.0
     # Workers start at this nice value and take normal priority once joined
     # (workloads/startup_priority.py): a replacement's start-up then takes little of the
@@ -168,6 +188,13 @@ class JobRun:
 
     def tail(self) -> str:
         return self.job.tail()
+
+    def output(self) -> str:
+        """The job's whole output (the driver's, with its workers' lines)."""
+        try:
+            return self.job.output_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def lost(self, victim: dict) -> None:
         if self.discovery is not None:
@@ -487,14 +514,18 @@ def period_key(period: float | None) -> str:
 def plan_entries(settings: Settings) -> dict[str, dict[str, Any]]:
     """Every run of the section: key -> its description (tool, capacity, period, label)."""
     entries: dict[str, dict[str, Any]] = {}
-    periods: list[float | None] = [None, *settings.periods]
+    periods: list[float | None] = [None, *settings.periods] if settings.failure_free else list(settings.periods)
     for workload_name, (_, elastic_label, torchrun_label) in WORKLOADS.items():
-        for period in periods:
-            modes = ["none"] if period is None else list(settings.modes)
-            for mode in modes:
-                entries[f"le/{workload_name}/{mode}/{period_key(period)}"] = {
-                    "tool": f"le/{workload_name}", "workload": workload_name, "capacity": mode, "period": period,
-                    "label": f"{elastic_label}, " + ("3 hosts" if mode == "none" else CAPACITY[mode][0])}
+        modules = settings.preload[workload_name]
+        for tool, label, preload in ((f"le/{workload_name}", elastic_label, None),
+                                     (f"le/{workload_name}+preload", f"{elastic_label} --preload {modules}", modules)):
+            for period in periods:
+                modes = ["none"] if period is None else list(settings.modes)
+                for mode in modes:
+                    entries[f"{tool}/{mode}/{period_key(period)}"] = {
+                        "tool": tool, "workload": workload_name, "capacity": mode, "period": period,
+                        "preload": preload,
+                        "label": f"{label}, " + ("3 hosts" if mode == "none" else CAPACITY[mode][0])}
         for period in periods:
             entries[f"torchrun/{workload_name}/{period_key(period)}"] = {
                 "tool": f"torchrun/{workload_name}", "workload": workload_name, "capacity": "restart",
@@ -512,7 +543,8 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
     for key, reason in skipped.items():
         print(f"{key}: skipped ({reason})", flush=True)
     return {"workers": WORKERS, "batch": BATCH, "run_s": settings.duration, "periods_s": list(settings.periods),
-            "bound_s": settings.bound, "startup_nice": settings.startup_nice,
+            "bound_s": settings.bound, "startup_nice": settings.startup_nice, "failure_free": settings.failure_free,
+            "preload": settings.preload,
             "runs": {key: {**entry, "trials": results[key], "skipped": skipped.get(key)}
                      for key, entry in entries.items()}}
 
@@ -534,6 +566,9 @@ def _measure(entry: dict[str, Any], settings: Settings):
             raise
         finally:
             started.stop()
+        if entry.get("preload"):
+            assert isinstance(started, JobRun)
+            check_forked(started.output())
         started.reader.poll()
         result = analyse(started.reader.records, kills, t0, t0 + settings.duration)
         events = read_events(directory / "launch" / "events.jsonl")
@@ -541,6 +576,17 @@ def _measure(entry: dict[str, Any], settings: Settings):
         pace_below_full(started.reader.records, events, result)
         return result
     return measure
+
+
+def check_forked(output: str) -> None:
+    """TrialError unless the job's output shows a fork server and no worker started cold (--preload)."""
+    lines = output.splitlines()
+    bad = [line for line in lines if COLD_MARK in line or any(mark in line for mark in SERVER_GONE_MARKS)]
+    if bad:
+        raise TrialError(f"--preload: {len(bad)} worker(s) not forked from the fork server: {bad[0].strip()}")
+    if not any(SERVER_MARK in line for line in lines):
+        raise TrialError("--preload: the launcher never said it started a fork server "
+                         f"({SERVER_MARK!r} not in its output)")
 
 
 def _start(entry: dict[str, Any], directory: Path, startup_nice: int | None = None) -> Running:
@@ -560,9 +606,10 @@ def _start(entry: dict[str, Any], directory: Path, startup_nice: int | None = No
     mode = entry["capacity"]
     hosts, flags = (WORKERS, ()) if mode == "none" else CAPACITY[mode][1:]
     discovery = Discovery(directory / "discovery", hosts)
+    preload = ("--preload", entry["preload"]) if entry.get("preload") else ()
     command = [*launcher_command(), "launch", "-np", str(WORKERS), "--min-np", "1", "--max-np", str(WORKERS),
                "--host-discovery-script", str(discovery.script), "--discovery-interval", str(DISCOVERY_INTERVAL),
-               *flags, "--log-dir", str(directory / "launch"), *inner]
+               *flags, *preload, "--log-dir", str(directory / "launch"), *inner]
     env = {"BENCH_STARTUP_NICE": str(startup_nice)} if startup_nice else None
     return JobRun(command, directory, env, discovery=discovery if mode != "none" else None)
 
@@ -627,14 +674,14 @@ def report(result: dict[str, Any]) -> str:
         trials = entry["trials"]
         baseline = runs.get(baseline_key(key, entry), {}).get("trials", [])
         goodput = Summary.of(values(trials, lambda v: v["goodput"]))
-        ratio = Summary.of(paired(trials, baseline, lambda v: v["goodput"])) if period else None
+        ratio = Summary.of(paired(trials, baseline, lambda v: v["goodput"])) if period and baseline else None
         pace = Summary.of(values(trials, lambda v: v["pace_ratio"]))
         redone = Summary.of(values(trials, lambda v: v["redone_per_failure"]))
         first = _pooled(trials, "first_step_s")
         sizes = sorted({s for s in _pooled(trials, "first_size") if s is not None})
         rows.append([
             entry["label"], _every(period), goodput.show(fmt="{:.0f}"),
-            ratio.show(fmt="{:.3f}") if ratio else "1",
+            ratio.show(fmt="{:.3f}") if ratio else ("1" if not period else "-"),
             pace.show(fmt="{:.3f}"),
             _paces(trials, result["workers"]),
             redone.show(fmt="{:.1f}") if period else "",
