@@ -90,10 +90,11 @@ def environment_difference(ours: Mapping[str, str], theirs: Mapping[str, str]) -
 class Program:
     """What COMMAND runs in this interpreter: a script's path or a module's name."""
 
-    script: str | None
+    script: str | None  # absolute, as ``__main__.__file__`` is
     module: str | None
     args: tuple[str, ...]
     unbuffered: bool
+    argv0: str = ""  # the script as COMMAND names it: ``sys.argv[0]`` of a cold start
 
 
 def parse_command(command: list[str], env: Mapping[str, str], cwd: str) -> Program | str:
@@ -113,7 +114,7 @@ def parse_command(command: list[str], env: Mapping[str, str], cwd: str) -> Progr
         return Program(None, rest[1], tuple(rest[2:]), unbuffered)
     if not rest or rest[0].startswith("-"):
         return "only 'python [-u] SCRIPT ...' and 'python [-u] -m MODULE ...' are forked"
-    return Program(os.path.join(cwd, rest[0]), None, tuple(rest[1:]), unbuffered)
+    return Program(os.path.join(cwd, rest[0]), None, tuple(rest[1:]), unbuffered, rest[0])
 
 
 def _same_interpreter(executable: str) -> bool:
@@ -353,7 +354,7 @@ def run(request: _Request) -> int:
             runpy.run_module(program.module, run_name="__main__", alter_sys=True)
         else:
             assert program.script is not None
-            sys.argv = [program.script, *program.args]
+            sys.argv = [program.argv0 or program.script, *program.args]
             sys.path[0] = os.path.dirname(os.path.realpath(program.script))
             runpy.run_path(program.script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):

@@ -164,7 +164,7 @@ def wait_gone(pid: int) -> None:
 def test_a_script_or_a_module_of_this_interpreter_is_forked(tmp_path):
     env = {"PATH": os.environ["PATH"]}
     assert parse_command([sys.executable, "train.py", "--n", "3"], env, str(tmp_path)) == \
-        Program(str(tmp_path / "train.py"), None, ("--n", "3"), False)
+        Program(str(tmp_path / "train.py"), None, ("--n", "3"), False, "train.py")
     assert parse_command([sys.executable, "-u", "-m", "pkg.train", "-x"], env, "/") == \
         Program(None, "pkg.train", ("-x",), True)
 
