@@ -38,6 +38,7 @@ from lightning_elastic.host_check import HostCheck
 from lightning_elastic.init_sync import SyncedModules
 from lightning_elastic.preemption import PreemptionHandler
 from lightning_elastic.snapshot_files import ENV_DIR, ENV_JOB_ID, Location, SnapshotSettings
+from lightning_elastic.stuck_round import Action, StuckRoundWatch, stack_of
 from lightning_elastic.process_group import (
     BackendChoice,
     abandon_round_group,
@@ -271,6 +272,8 @@ class ElasticWorker:
         # while there is none. Written and read under ``_lock``.
         self._group_connections: tuple[int, frozenset[group_sockets.Connection]] = (0, frozenset())
         self._group_abandoned = False  # a collective of the current group was given up
+        self._stuck = StuckRoundWatch()  # the heartbeat's watch on a broken round this worker stays in
+        self._training_thread: int | None = None  # the thread that forms the groups (whose stack to show)
         # (round, wall time) of this worker's first training step in its newest round: sent
         # with heartbeats, for the driver's timeline.
         self._stepped: tuple[int, float] = (0, 0.0)
@@ -497,6 +500,7 @@ class ElasticWorker:
         connections = group_sockets.published_by(opened, published)
         with self._lock:
             self._group_connections = (a.round, connections)
+        self._training_thread = threading.get_ident()
 
     @staticmethod
     def _publish_environment(a: p.Assignment) -> None:
@@ -739,6 +743,30 @@ class ElasticWorker:
                 self._last_broken_round = max(self._last_broken_round, reply.last_broken_round)
             if newly_broken:
                 self._unblock_collectives(reply.last_broken_round)
+            self._watch_broken_round()
+
+    def _watch_broken_round(self) -> None:
+        """Still in a round whose connections were cut long ago: cut again and say where
+        the main thread is, then exit (see stuck_round)."""
+        if self.reported is not None:
+            return  # training returned (or the worker left): what it does now is its own
+        with self._lock:
+            group_round, connections = self._group_connections
+        action = self._stuck.check(group_round, time.monotonic())
+        if action is Action.NONE:
+            return
+        stuck = self._stuck.stuck_for
+        round_, since = stuck if stuck is not None else (group_round, time.monotonic())
+        waited = time.monotonic() - since
+        if action is Action.REPORT:
+            cut = group_sockets.shut_down(connections)
+            print(f"lightning-elastic: round {round_} lost a member {waited:.0f} s ago and this worker is still in "
+                  f"it ({cut} of its {len(connections)} connection(s) cut again); its training thread is at:\n"
+                  f"{stack_of(self._training_thread)}", file=sys.stderr, end="", flush=True)
+            return
+        print(f"lightning-elastic: still in round {round_} {waited:.0f} s after it lost a member: exiting, "
+              "so that the job goes on without this worker", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def _unblock_collectives(self, broken_round: int) -> None:
         """The round lost a member: make a collective stuck waiting for it raise now.
@@ -755,6 +783,7 @@ class ElasticWorker:
             formed_in, connections = self._group_connections
             if formed_in != broken_round:
                 return
+            self._stuck.cut(broken_round, time.monotonic())
             if self.backend == "nccl":
                 # Aborted under the lock: the main thread marks the group gone under it
                 # before it destroys or replaces it, so the group aborted here is the

@@ -6,13 +6,18 @@ abort itself replaced."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 
 from lightning_elastic import protocol as p
 from lightning_elastic import worker as worker_module
 from lightning_elastic.process_group import BackendChoice
+from lightning_elastic.stuck_round import Action, StuckRoundWatch
 from lightning_elastic.worker import ElasticWorker
+from tests.troubleshooting_rows import documented_row
 
 ROUND_1_CONNECTIONS = frozenset({(("127.0.0.1", 1000), ("127.0.0.1", 2000))})
 ROUND_2_CONNECTIONS = frozenset({(("127.0.0.1", 1001), ("127.0.0.1", 2001))})
@@ -97,3 +102,46 @@ def test_nccl_leaves_alone_a_group_being_destroyed_or_not_yet_formed(aborts: lis
     w._forget_group()  # what reset() and shutdown() do first
     w._unblock_collectives(1)
     assert aborts == []
+
+
+# ----- a worker that stays in the broken round after the cut (stuck_round) -----------------
+
+
+def test_the_watch_reports_then_exits_only_while_the_main_thread_stays_in_the_cut_round() -> None:
+    watch = StuckRoundWatch(warn_after=10.0, exit_after=120.0)
+    assert watch.check(5, 0.0) is Action.NONE  # nothing was cut
+    watch.cut(5, 100.0)
+    assert watch.check(5, 105.0) is Action.NONE
+    assert watch.check(5, 110.0) is Action.REPORT
+    assert watch.check(5, 150.0) is Action.NONE  # reported once
+    assert watch.check(5, 220.0) is Action.EXIT
+    watch.cut(6, 300.0)
+    assert watch.check(0, 400.0) is Action.NONE  # the main thread reset: forgotten
+    assert watch.check(7, 900.0) is Action.NONE
+
+
+def test_a_worker_still_in_the_cut_round_cuts_again_shows_its_stack_then_exits(
+        cut: list[frozenset], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    w = ElasticWorker(None)
+    w._assignment = assignment(1)
+    w._group_connections = (1, ROUND_1_CONNECTIONS)
+    w._training_thread = threading.get_ident()
+    w._stuck = StuckRoundWatch(warn_after=0.0, exit_after=3600.0)
+    w._unblock_collectives(1)
+    w._watch_broken_round()
+    assert cut == [ROUND_1_CONNECTIONS, ROUND_1_CONNECTIONS]
+    err = capsys.readouterr().err
+    assert "round 1 lost a member 0 s ago and this worker is still in it (1 of its 1 connection(s) cut again)" in err
+    assert "test_a_worker_still_in_the_cut_round_cuts_again_shows_its_stack_then_exits" in err  # this thread's stack
+    assert documented_row(err.splitlines()[0]), "docs/troubleshooting.md has no row for it"
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    w._stuck = StuckRoundWatch(warn_after=0.0, exit_after=0.0)
+    w._stuck.cut(1, 0.0)
+    w._watch_broken_round()
+    assert exits == [1]
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("lightning-elastic: still in round 1 ") and documented_row(line), line
+    w.reported = p.Outcome.DONE  # after training returned, never
+    w._watch_broken_round()
+    assert exits == [1]
