@@ -25,7 +25,7 @@ import pytest
 from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.fork_client import server_directory
-from lightning_elastic.launcher.processes.fork_server import Program, environment_difference, parse_command
+from lightning_elastic.launcher.processes.fork_rules import Program, environment_difference, parse_command
 from lightning_elastic.launcher.processes.spawn import spawn_worker
 from lightning_elastic.launcher.processes.warm_start import CLIENT_MODULE, SERVER_MODULE, WarmStarts
 from lightning_elastic.protocol import ENV_SECRET_FD
