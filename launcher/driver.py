@@ -52,9 +52,9 @@ from lightning_elastic.launcher.processes.base import (
 from lightning_elastic.launcher.processes.detached import DetachedLauncher
 from lightning_elastic.launcher.processes.exit_watch import ExitWatcher
 from lightning_elastic.launcher.processes.local import LocalLauncher
-from lightning_elastic.launcher.processes.warm_start import WarmStarts
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
+from lightning_elastic.launcher.processes.warm_start import WarmStarts
 from lightning_elastic.launcher.registry import Registry, WorkerRecord, WorkerState, outcome_of
 from lightning_elastic.launcher.rendezvous_server import RendezvousServer, limits_for, listen_queue_for
 from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry

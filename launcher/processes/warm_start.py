@@ -50,6 +50,7 @@ class WarmStarts:
         self._is_local = is_local
         self._secret_fd_variable = secret_fd_variable
         self._servers: dict[str, _Server] = {}
+        self._calls_since_sweep = 0
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> WorkerProcess:
         server = self._server_for(spec)
@@ -71,12 +72,10 @@ class WarmStarts:
         return LOCAL if self._is_local(host) else host
 
     def _server_for(self, spec: WorkerSpec) -> _Server | None:
-        for machine, known in list(self._servers.items()):
-            if known.process.poll() is not None:
-                del self._servers[machine]  # ended (its host lost, its connection cut)
+        self._forget_ended()
         machine = self._machine(spec.host)
         server = self._servers.get(machine)
-        if server is not None:
+        if server is not None and server.process.poll() is None:
             return server
         token = secrets.token_hex(16)
         command = (spec.command[0], "-m", SERVER_MODULE, token, self._modules, "--", *spec.command)
@@ -90,6 +89,18 @@ class WarmStarts:
         log.info("Workers on %s fork from a server that preloads %s (pid %d).", machine, self._modules, process.pid)
         server = self._servers[machine] = _Server(token, process)
         return server
+
+    def _forget_ended(self) -> None:
+        """Drop the servers that ended (their host lost, their connection cut): one sweep
+        every as many calls as there are servers, so a start costs O(1) amortised and the
+        table holds at most the live servers and those that ended since the last sweep."""
+        self._calls_since_sweep += 1
+        if self._calls_since_sweep < len(self._servers):
+            return
+        self._calls_since_sweep = 0
+        for machine, known in list(self._servers.items()):
+            if known.process.poll() is not None:
+                del self._servers[machine]
 
     def close(self) -> None:
         """Stop every server (the driver has stopped the workers first): SIGTERM, so that it
