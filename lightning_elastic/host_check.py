@@ -77,12 +77,17 @@ class HostCheck:
         self, round_: int, generation: int, device: torch.device,
         all_reduce: Callable[[torch.Tensor], Work] = all_reduce_max,
         clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[Work], object] = lambda work: work.wait(),
     ) -> None:
+        """``wait``: how a pending all-reduce is waited for (the worker's ``wait_collective``,
+        which gives up one of a round that lost a member instead of waiting for the group's
+        timeout)."""
         self.round = round_
         self._generation = generation  # the one this round was formed at
         self._device = device
         self._all_reduce = all_reduce
         self._clock = clock
+        self._wait = wait
         self._calls = 0
         self._next_collective = 1  # the call that does the next collective
         self._pending: _Pending | None = None
@@ -101,7 +106,7 @@ class HostCheck:
         calls_apart = 1
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.work.wait()
+            self._wait(pending.work)
             newest, negated_calls = (int(v) for v in pending.flag.tolist())
             if newest > self._generation:
                 raise HostsUpdatedInterrupt(

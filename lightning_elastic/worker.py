@@ -34,7 +34,7 @@ from lightning_elastic.client import (
 from lightning_elastic.driver_locator import DriverLocator
 from lightning_elastic.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
-from lightning_elastic.host_check import HostCheck
+from lightning_elastic.host_check import HostCheck, all_reduce_max
 from lightning_elastic.init_sync import SyncedModules
 from lightning_elastic.preemption import PreemptionHandler
 from lightning_elastic.snapshot_files import ENV_DIR, ENV_JOB_ID, Location, SnapshotSettings
@@ -218,7 +218,11 @@ def wait_or_give_up(
             return
         except RuntimeError:
             if work.is_completed():
-                raise  # the operation itself failed, not the slice's timeout
+                # Failed, or completed just after the slice ran out (the error raised is then
+                # the slice's own "Operation timed out!"): a wait now, on completed work,
+                # returns or raises the operation's own error, e.g. a lost peer's.
+                work.wait()
+                return
         if give_up_after_s is not None and time.monotonic() - started >= give_up_after_s:
             raise CollectiveError(f"a collective was still pending {give_up_after_s:g} s later and was given up")
         reason = broken_reason()
@@ -466,7 +470,13 @@ class ElasticWorker:
         self._host_check = None  # the last round's, gone with its group
         self._publish_environment(reply.assignment)
         self._form_group()
-        self._host_check = HostCheck(reply.assignment.round, reply.assignment.generation, self.device)
+        self._host_check = self._new_host_check(reply.assignment)
+
+    def _new_host_check(self, a: p.Assignment, all_reduce: Callable[[torch.Tensor], dist.Work] = all_reduce_max,
+                        ) -> HostCheck:
+        """The round's host check; its pending all-reduce waited for as every small collective
+        of the worker is (given up once the round lost a member, not held for the group's timeout)."""
+        return HostCheck(a.round, a.generation, self.device, all_reduce, wait=self.wait_collective)
 
     def _form_group(self) -> None:
         a = self._assignment

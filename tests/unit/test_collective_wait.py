@@ -22,6 +22,7 @@ import torch
 from lightning_elastic import protocol as p
 from lightning_elastic.errors import CollectiveError
 from lightning_elastic.host_check import HostCheck
+from lightning_elastic.process_group import BackendChoice
 from lightning_elastic.worker import ElasticWorker, wait_or_give_up
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,8 +100,8 @@ class ScriptedWork:
         self.done = threading.Event()
         self.error: Exception | None = None
 
-    def wait(self, timeout: datetime.timedelta) -> bool:
-        if not self.done.wait(timeout.total_seconds()):
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if not self.done.wait(None if timeout is None else timeout.total_seconds()):
             raise RuntimeError("Operation timed out!")
         if self.error is not None:
             raise self.error
@@ -126,6 +127,26 @@ def test_a_collective_that_fails_raises_its_own_error():
     work.done.set()
     with pytest.raises(RuntimeError, match="Connection reset by peer"):
         wait_or_give_up(work, lambda: "round 3 lost a member", wait_slice=SLICE, grace_s=10)
+
+
+class CompletesAsTheSliceRunsOut(ScriptedWork):
+    """The slice's timeout fires, and the work completes before ``is_completed()`` is asked."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is not None and not self.done.is_set():
+            self.done.set()
+            raise RuntimeError("Operation timed out!")
+        return super().wait(timeout)
+
+
+def test_a_collective_completed_just_as_the_slice_ran_out_is_not_a_timeout():
+    # Seen in CI: "RuntimeError: Operation timed out!" raised from the state broadcast of a
+    # healthy round, read by the driver as the worker's own error, and its host blacklisted.
+    wait_or_give_up(CompletesAsTheSliceRunsOut(), lambda: None, wait_slice=SLICE, grace_s=0.05)
+    failed = CompletesAsTheSliceRunsOut()
+    failed.error = RuntimeError("Connection closed by peer")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # its own error, not the slice's
+        wait_or_give_up(failed, lambda: None, wait_slice=SLICE, grace_s=0.05)
 
 
 def test_a_collective_still_pending_after_the_grace_is_given_up():
@@ -177,3 +198,20 @@ def test_a_failed_workers_exit_does_not_wait_for_its_peers():
     worker._settle_host_check()
     assert not work.is_completed()
     assert worker._host_check is None
+
+
+def test_the_host_checks_pending_all_reduce_of_a_broken_round_is_given_up() -> None:
+    # The check's background all-reduce was waited for with torch's blocking wait: a peer
+    # lost part-way held the member in it for the group's timeout. It now waits as every
+    # other small collective of the worker does.
+    work = ScriptedWork()
+    worker = ElasticWorker(None)
+    worker.settings = SimpleNamespace()
+    worker._backend = BackendChoice("gloo", torch.device("cpu"))
+    worker._last_broken_round = 1
+    worker._assignment = p.Assignment(1, 0, 2, 0, 1, 0, 2, "localhost", "127.0.0.1", 1, 0)
+    check = worker._new_host_check(worker._assignment, all_reduce=lambda flag: work)
+    check.check(0)  # starts the background all-reduce
+    with pytest.raises(CollectiveError, match="round 1 lost a member"):
+        check.check(0)  # waits for it: given up after the worker's grace (2 s)
+    assert worker._group_abandoned
