@@ -63,11 +63,6 @@ class WarmStarts:
         """Start the fork server of ``spec.host``'s machine now, if it has none (no worker starts)."""
         self._server_for(spec)
 
-    def server_pid(self, host: str) -> int | None:
-        """The local pid that stands for the server of ``host``'s machine (for ssh: its ssh client's)."""
-        server = self._servers.get(self._machine(host))
-        return server.process.pid if server is not None else None
-
     def _machine(self, host: str) -> str:
         return LOCAL if self._is_local(host) else host
 
