@@ -27,7 +27,8 @@ Measured per trial, wall clock from the moment the benchmark starts the launcher
   job's tag (harness.Job), fork server included, before the benchmark's own sweep kills them.
 
 All "hosts" are this machine: with ``--preload`` every worker, replacement included, forks
-from the warm server; on a fleet a worker on another machine starts cold.
+from its one warm server; on a fleet each machine has a server of its own, and a machine's
+first worker waits for that server's imports.
 """
 
 from __future__ import annotations

@@ -635,11 +635,15 @@ class Driver:
             return
         available = {h.host for h in self._hosts.available()}
         self._prepared &= available  # bounded by the hosts listed now; one that comes back is prepared again
-        for host in sorted(available - self._prepared):
+        new = sorted(available - self._prepared)
+        if not new:
+            return
+        env, cwd = self._job_env(), os.getcwd()  # the same for every host
+        for host in new:
             self._prepared.add(host)
             self._pending_prepares.append(WorkerSpec(
-                worker_id=f"fork server on {host}", host=host, command=self._config.command, env=self._job_env(),
-                secret=self._secret, cwd=os.getcwd()))
+                worker_id=f"fork server on {host}", host=host, command=self._config.command, env=env,
+                secret=self._secret, cwd=cwd))
 
     def _start_pending(self) -> None:
         """Start the workers the last pass planned, with the registry's lock released.

@@ -62,9 +62,9 @@ class StuckRoundWatch:
             return Action.REPORT
         return Action.NONE
 
-    @property
-    def stuck_for(self) -> tuple[int, float] | None:
-        return self._cut
+    def waited(self, now: float) -> float:
+        """Seconds since the cut the watch is acting on (0 while it watches none)."""
+        return now - self._cut[1] if self._cut is not None else 0.0
 
 
 def stack_of(thread_ident: int | None) -> str:

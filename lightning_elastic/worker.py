@@ -762,19 +762,18 @@ class ElasticWorker:
             return  # training returned (or the worker left): what it does now is its own
         with self._lock:
             group_round, connections = self._group_connections
-        action = self._stuck.check(group_round, time.monotonic())
+        now = time.monotonic()
+        action = self._stuck.check(group_round, now)
         if action is Action.NONE:
             return
-        stuck = self._stuck.stuck_for
-        round_, since = stuck if stuck is not None else (group_round, time.monotonic())
-        waited = time.monotonic() - since
+        waited = self._stuck.waited(now)  # the watch acts only while the group is still the cut round's
         if action is Action.REPORT:
             cut = group_sockets.shut_down(connections)
-            print(f"lightning-elastic: round {round_} lost a member {waited:.0f} s ago and this worker is still in "
+            print(f"lightning-elastic: round {group_round} lost a member {waited:.0f} s ago and this worker is still in "
                   f"it ({cut} of its {len(connections)} connection(s) cut again); its training thread is at:\n"
                   f"{stack_of(self._training_thread)}", file=sys.stderr, end="", flush=True)
             return
-        print(f"lightning-elastic: still in round {round_} {waited:.0f} s after it lost a member: exiting, "
+        print(f"lightning-elastic: still in round {group_round} {waited:.0f} s after it lost a member: exiting, "
               "so that the job goes on without this worker", file=sys.stderr, flush=True)
         os._exit(1)
 

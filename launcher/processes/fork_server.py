@@ -172,8 +172,7 @@ class Server:
             return True
         _close_all(request.worker.fds)
         try:
-            request.conn.settimeout(REQUEST_PATIENCE)
-            send_message(request.conn, {"pid": pid})
+            send_message(request.conn, {"pid": pid})  # bounded: the connection still has _accept's timeout
             request.conn.setblocking(False)
             self._selector.register(request.conn, selectors.EVENT_READ, pid)
             self._children[pid] = request.conn
@@ -213,8 +212,7 @@ class Server:
             if conn is not None:
                 self._selector.unregister(conn)
                 with contextlib.suppress(OSError):
-                    conn.setblocking(True)
-                    conn.settimeout(REQUEST_PATIENCE)
+                    conn.settimeout(REQUEST_PATIENCE)  # blocking again, bounded (the loop made it non-blocking)
                     send_message(conn, {"exit": os.waitstatus_to_exitcode(status)})
                 conn.close()
 

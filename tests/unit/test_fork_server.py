@@ -108,6 +108,14 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def preloading(warm, tmp_path: Path, module: str, source: str) -> tuple[Server, dict[str, str]]:
+    """A server that preloads ``module`` (written from ``source`` into ``tmp_path``), and the
+    environment, with ``tmp_path`` on PYTHONPATH, that its clients must use."""
+    (tmp_path / f"{module}.py").write_text(source)
+    env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    return warm((module,), env), env
+
+
 def start(server: Server, script: Path, tmp_path: Path, *args: str, env=None) -> subprocess.Popen[bytes]:
     return server.client([sys.executable, str(script), *args], env or base_env(), tmp_path)
 
@@ -286,10 +294,8 @@ def test_a_module_that_cannot_be_imported_leaves_every_worker_cold(warm, script,
 
 
 def test_a_server_with_a_second_thread_is_not_forked(warm, script, tmp_path):
-    (tmp_path / "starts_a_thread.py").write_text(
-        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
-    env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    w = warm(("starts_a_thread",), env)
+    w, env = preloading(warm, tmp_path, "starts_a_thread",
+                        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
     seen, text = cold_start(start(w, script, tmp_path, "0", env=env))
     assert seen["parent"] != w.pid
     assert "the fork server runs 2 threads" in text
@@ -298,11 +304,9 @@ def test_a_server_with_a_second_thread_is_not_forked(warm, script, tmp_path):
 def test_variables_a_preloaded_module_sets_at_import_are_the_workers_too(warm, script, tmp_path):
     # As Lightning sets torch's PYTORCH_NVML_BASED_CUDA_CHECK when imported: a worker started
     # cold would have it from its own import, and must not be refused for it either.
-    (tmp_path / "sets_a_variable.py").write_text("import os\nos.environ['SET_AT_IMPORT'] = 'yes'\n")
     (tmp_path / "scripts" / "reads.py").write_text(
         "import os, sys\nprint(os.environ.get('SET_AT_IMPORT'), os.getppid(), flush=True)\n")
-    env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    w = warm(("sets_a_variable",), env)
+    w, env = preloading(warm, tmp_path, "sets_a_variable", "import os\nos.environ['SET_AT_IMPORT'] = 'yes'\n")
     proc = start(w, tmp_path / "scripts" / "reads.py", tmp_path, env=env)
     text = output(proc)
     assert proc.wait(BOUND) == 0
@@ -312,11 +316,9 @@ def test_variables_a_preloaded_module_sets_at_import_are_the_workers_too(warm, s
 def test_a_server_with_cuda_initialised_is_not_forked(warm, script, tmp_path):
     # No GPU here: a preloaded module stands in for a torch whose CUDA context exists (a
     # preloaded module that touched a GPU); the decision is what is tested.
-    (tmp_path / "fake_cuda_torch.py").write_text(
-        "import sys, types\n"
-        "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))\n")
-    env = base_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    w = warm(("fake_cuda_torch",), env)
+    w, env = preloading(warm, tmp_path, "fake_cuda_torch",
+                        "import sys, types\n"
+                        "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))\n")
     seen, text = cold_start(start(w, script, tmp_path, "0", env=env))
     assert seen["parent"] != w.pid
     assert "initialised CUDA in the fork server" in text
