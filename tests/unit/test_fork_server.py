@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.fork_client import server_directory
 from lightning_elastic.launcher.processes.fork_rules import Program, environment_difference, parse_command
+from lightning_elastic.launcher.processes.fork_server import REQUEST_PATIENCE
 from lightning_elastic.launcher.processes.spawn import spawn_worker
 from lightning_elastic.launcher.processes.warm_start import CLIENT_MODULE, SERVER_MODULE, WarmStarts
 from lightning_elastic.protocol import ENV_SECRET_FD
@@ -429,3 +431,24 @@ def wait_for_path(path: Path) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"no {path}"
         time.sleep(0.02)
+
+
+def test_a_stalled_or_garbled_client_costs_the_server_a_bounded_wait_and_nothing_else(warm, script, tmp_path):
+    # Hostile peers (of this user: the directory admits no other): one connects and sends
+    # nothing, one sends a line that is not a request. Each is dropped (the stalled one after
+    # REQUEST_PATIENCE), and the next worker is still forked.
+    w = warm()
+    wait_for_path(w.directory / "socket")
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.connect(str(w.directory / "socket"))
+    garbled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    garbled.connect(str(w.directory / "socket"))
+    garbled.sendall(b"[1, 2, 3]\n")
+    try:
+        seen = first_line(proc := start(w, script, tmp_path, "0"))
+        assert proc.wait(BOUND + REQUEST_PATIENCE) == 0
+        assert seen["parent"] == w.pid
+        assert stalled.recv(1) == b"" and garbled.recv(1) == b""  # both dropped, no answer
+    finally:
+        stalled.close()
+        garbled.close()
