@@ -67,8 +67,12 @@ def test_a_killed_rank_0_leaves_the_others_training_from_the_last_commit(job: Jo
 
 
 def test_an_added_host_joins_with_the_state_and_a_removed_one_leaves(job: Job) -> None:
+    # Twice the usual epochs: the joiner's start-up (Fabric's imports, 3-7 s on a loaded
+    # machine) is spent training at 2, and with 3 epochs the job once ran out of steps
+    # before the removal below could be announced (world sizes [2, 3]).
+    epochs = 2 * EPOCHS
     job.set_hosts(H1, H2)
-    start(job, ["-np", "2", "--min-np", "1", "--max-np", "3"], step_delay=0.25)
+    start(job, ["-np", "2", "--min-np", "1", "--max-np", "3"], step_delay=0.25, example_args=("--epochs", str(epochs)))
     job.wait_steps(3)
     job.set_hosts(H1, H2, H3)
     job.wait_rounds(2)
@@ -86,7 +90,7 @@ def test_an_added_host_joins_with_the_state_and_a_removed_one_leaves(job: Job) -
     assert "Blacklisted" not in job.stderr()
     resets = job.events("reset")
     assert {(e["round"], e["size"]) for e in resets} >= {(2, 3), (3, 2)}
-    assert_epochs_complete(job, EPOCHS)
+    assert_epochs_complete(job, epochs)
     assert_replicas_identical(job)
 
 
