@@ -13,6 +13,7 @@ integration tests to check.
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
@@ -63,6 +64,8 @@ def parse_args() -> argparse.Namespace:
                              "last round)")
     faults.add_argument("--hang-after-done-on-host", default="",
                         help="after training returned, this host's workers never exit")
+    faults.add_argument("--slow-exit", type=float, default=0.0,
+                        help="seconds every worker's exit takes after it left the job (a busy machine's teardown)")
     return parser.parse_args()
 
 
@@ -105,6 +108,10 @@ def main() -> None:
     if args.start_delay and args.start_delay_on_host in ("all", os.environ.get("LIGHTNING_ELASTIC_HOSTNAME")):
         time.sleep(args.start_delay)  # before joining: the driver sees a worker still starting
     torch.manual_seed(0)
+    if args.slow_exit:
+        # Registered before le.init()'s own exit handler, so run after it: the worker has
+        # reported and left the job, and sends no more heartbeats.
+        atexit.register(time.sleep, args.slow_exit)
     le.init()
     events = Events(args.events)
 

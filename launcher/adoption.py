@@ -282,6 +282,7 @@ def restore(
             record.state = WorkerState.MEMBER
         if w.reported:
             record.report = Report(w.worker_id, w.reported_round, Outcome(w.reported), w.report_message)
+            record.reported_at = record.started_at  # its exit's bound starts now, as the heartbeat's does
         if w.finished:
             record.state = WorkerState(w.finished)
             continue  # no process to find: it has been reaped

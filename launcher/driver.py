@@ -831,7 +831,13 @@ class Driver:
         for record in self._registry.live_workers():
             if record.worker_id in self._stopping:
                 continue
-            if record.last_heartbeat is None:
+            if record.reported_at is not None:
+                # It said how training ended and stopped heartbeating to exit: leaving the group
+                # and ending the interpreter take seconds on a busy machine, with no heartbeat.
+                if now - record.reported_at > t.exit:
+                    self._kill(record, f"it reported {record.report.outcome.value} but did not exit "  # type: ignore[union-attr]
+                                       f"within {t.exit:g} s")
+            elif record.last_heartbeat is None:
                 if now - record.started_at > t.worker_arrival:
                     self._kill(record, f"it did not reach the rendezvous within {t.worker_arrival:g} s")
             elif self._late_for_rendezvous(record, now):

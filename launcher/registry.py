@@ -97,6 +97,9 @@ class WorkerRecord:
     last_heartbeat: float | None = None
     asking_round: int | None = None  # set while it asks whether its round lost a member
     report: Report | None = None
+    # When its report arrived: it stops heartbeating to exit then, and --exit-timeout, not
+    # the heartbeat timeout, bounds the exit (the group's teardown, the interpreter's end).
+    reported_at: float | None = None
     leave: bool = False  # answer EXIT at its next rendezvous
     departing: str = ""  # why it asked to leave (a preemption notice): its slot is vacant
     stopping: bool = False  # the driver is stopping it (SIGTERM, then SIGKILL)
@@ -575,6 +578,7 @@ class Registry:
             record = self._get(report.worker_id)
             self._note_ahead(record, round_number=report.round)
             record.report = report
+            record.reported_at = self._clock()
             if report.snapshots_written or report.snapshots_failed:
                 record.snapshots = (report.snapshots_written, report.snapshots_failed, report.snapshot_error[:200])
             self.reports += 1

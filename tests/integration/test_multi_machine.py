@@ -353,4 +353,6 @@ def test_preloaded_workers_fork_from_their_own_hosts_server_and_a_spare_is_warm(
     assert_replicas_identical(job)
     for name in hosts.names:
         assert wait_for(lambda: not _our_processes(hosts, name, job), 10, f"nothing left on {name}")
-    assert set(glob.glob("/tmp/lightning-elastic-fork-*")) == dirs_before  # each server removed its directory
+    # Each server removed its directory. Not "== dirs_before": a server sweeps an abandoned
+    # directory it finds (another test's, whose driver was SIGKILLed), and another lane's may come and go.
+    assert not set(glob.glob("/tmp/lightning-elastic-fork-*")) - dirs_before
