@@ -75,6 +75,10 @@ def _listed(items: tuple[str, ...], omitted: int) -> list[str]:
     return lines
 
 
+# Hosts the driver said it ignores ("say it once"), at most this many remembered.
+REFUSED_HOSTS_KEPT = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class JobResult:
     success: bool
@@ -563,6 +567,10 @@ class Driver:
 
     def _refuse(self, host: str, why: str) -> None:
         if host not in self._refused_hosts:  # discovery lists it again every second: say it once
+            if len(self._refused_hosts) >= REFUSED_HOSTS_KEPT:
+                # A discovery that lists ever new bad names for weeks: start again (a host
+                # refused long ago is said once more at worst).
+                self._refused_hosts.clear()
             self._refused_hosts.add(host)
             log.error("Ignoring host %s: %s.", host, why)
 

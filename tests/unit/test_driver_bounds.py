@@ -1,5 +1,6 @@
-"""The driver's verdict on a worker that went quiet: the heartbeat timeout while it trains,
---exit-timeout once it has reported how training ended (it stops heartbeating to exit)."""
+"""The driver's bounds: on a worker that went quiet (the heartbeat timeout while it trains,
+--exit-timeout once it has reported how training ended: it stops heartbeating to exit), and
+on what it remembers for a job of weeks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.config import LaunchConfig, Timeouts
 from lightning_elastic.launcher.discovery import FixedHosts
-from lightning_elastic.launcher.driver import Driver
+from lightning_elastic.launcher.driver import REFUSED_HOSTS_KEPT, Driver
 from lightning_elastic.launcher.hosts import HostSlots, SlotKey
 from tests.unit.test_driver_spawn import IdleProcess
 
@@ -60,3 +61,15 @@ def test_a_worker_that_reported_the_end_of_training_is_given_the_exit_timeout_no
         driver._kill_wedged(clock.now)  # noqa: SLF001
     assert processes["a"].code == -signal.SIGKILL
     assert driver._kill_reasons["a"] == "it reported done but did not exit within 30 s"  # noqa: SLF001
+
+
+def test_the_hosts_said_to_be_ignored_are_remembered_boundedly(caplog) -> None:
+    # Said once per host while remembered; a discovery listing new bad names for weeks
+    # must not grow the driver's memory.
+    driver, _ = driver_with_two_workers(Clock())
+    for n in range(REFUSED_HOSTS_KEPT + 10):
+        driver._refuse(f"bad-{n}", "its name does not resolve")  # noqa: SLF001
+    driver._refuse(f"bad-{REFUSED_HOSTS_KEPT + 5}", "its name does not resolve")  # noqa: SLF001 - remembered: not said again
+    assert len(driver._refused_hosts) <= REFUSED_HOSTS_KEPT  # noqa: SLF001
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ignoring host")]
+    assert len(said) == REFUSED_HOSTS_KEPT + 10
