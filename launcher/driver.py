@@ -41,6 +41,7 @@ from lightning_elastic.launcher.history import BoundedHistory
 from lightning_elastic.launcher.host_manager import HostManager
 from lightning_elastic.launcher.hosts import SlotAssignment, SlotKey, count_slots
 from lightning_elastic.launcher.network import HostClassifier, choose_driver_address, unresolved_names_message
+from lightning_elastic.launcher.pauses import Absences
 from lightning_elastic.launcher.processes.base import (
     HostRouter,
     WorkerLauncher,
@@ -228,6 +229,9 @@ class Driver:
         self._handed_over = False  # SIGTERM with --state-dir: the job is left to the next driver
         self._started_at = clock()
         self._resume: snapshots.Resume | None = None  # chosen at the start of run()
+        # The driver's own pauses (Ctrl-Z, a suspended machine) are nobody's silence (pauses.py).
+        t = config.timeouts
+        self._absences = Absences(self._started_at, t.heartbeat_period, t.heartbeat_timeout)
 
     # ----- life cycle -----------------------------------------------------------------
 
@@ -447,6 +451,7 @@ class Driver:
                 if self._stop_requested.is_set():
                     raise _Stop()
                 now = self._clock()
+                self._absences.turn(now)
                 if self._adoption_watch is not None:
                     self._adoption_progress(now)
                 changed = self._take_discovery()
@@ -826,7 +831,7 @@ class Driver:
             return
         since, first = self._waiting.first_exit
         limit = self._config.timeouts.exit
-        if now - since <= limit:
+        if self._absences.silent_for(since, now) <= limit:
             return
         for record in self._registry.live_workers():
             if record.worker_id not in self._stopping:
@@ -842,7 +847,7 @@ class Driver:
             if record.reported_at is not None:
                 # It said how training ended and stopped heartbeating to exit: leaving the group
                 # and ending the interpreter take seconds on a busy machine, with no heartbeat.
-                if now - record.reported_at > t.exit:
+                if self._absences.silent_for(record.reported_at, now) > t.exit:
                     self._kill(record, f"it reported {record.report.outcome.value} but did not exit "  # type: ignore[union-attr]
                                        f"within {t.exit:g} s")
             elif record.last_heartbeat is None:
@@ -850,7 +855,7 @@ class Driver:
                     self._kill(record, f"it did not reach the rendezvous within {t.worker_arrival:g} s")
             elif self._late_for_rendezvous(record, now):
                 self._kill(record, f"it did not come back to the rendezvous within {t.worker_arrival:g} s of the reset")
-            elif now - record.last_heartbeat > t.heartbeat_timeout:
+            elif self._absences.silent_for(record.last_heartbeat, now) > t.heartbeat_timeout:
                 self._kill(record, f"it sent no heartbeat for {t.heartbeat_timeout:g} s (hung, stopped or unreachable)")
 
     def _kill(self, record: WorkerRecord, why: str) -> None:

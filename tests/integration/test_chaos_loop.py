@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 
 import pytest
@@ -169,6 +170,27 @@ def test_workers_slow_to_exit_after_they_reported_are_not_taken_for_wedged(job: 
     assert code == 0, job.stderr()[-3000:]
     assert "no heartbeat" not in job.stderr()
     assert len(job.events("done")) == 2
+
+
+def test_a_driver_stopped_longer_than_the_heartbeat_timeout_kills_nobody_when_it_continues(job: Job) -> None:
+    # Ctrl-Z on the launch and `fg` (or a suspended machine): meanwhile every heartbeat
+    # waits unanswered in the driver's socket, and the workers train on.
+    job.start(["-np", "2", "-H", f"{H1},{H2}", "--heartbeat-timeout", "3"], [*STEADY, "--epochs", "16"])
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    assert job.proc is not None
+    os.kill(job.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(4.5)  # the fault itself: stopped 1.5 s past the heartbeat timeout
+    finally:
+        os.kill(job.proc.pid, signal.SIGCONT)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "no heartbeat" not in err
+    assert "The driver did not run for" in err
+    assert job.world_sizes() == [2]
+    assert_epochs_complete(job, 16)
+    assert_replicas_identical(job)
 
 
 # ----- collective errors -----------------------------------------------------------------

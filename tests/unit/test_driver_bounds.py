@@ -13,6 +13,7 @@ from lightning_elastic.launcher.config import LaunchConfig, Timeouts
 from lightning_elastic.launcher.discovery import FixedHosts
 from lightning_elastic.launcher.driver import REFUSED_HOSTS_KEPT, Driver
 from lightning_elastic.launcher.hosts import HostSlots, SlotKey
+from lightning_elastic.launcher.pauses import Absences
 from tests.unit.test_driver_spawn import IdleProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,3 +74,40 @@ def test_the_hosts_said_to_be_ignored_are_remembered_boundedly(caplog) -> None:
     assert len(driver._refused_hosts) <= REFUSED_HOSTS_KEPT  # noqa: SLF001
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ignoring host")]
     assert len(said) == REFUSED_HOSTS_KEPT + 10
+
+
+def test_the_drivers_own_absence_is_no_workers_silence() -> None:
+    # Stopped (Ctrl-Z, a suspended machine) for longer than the heartbeat timeout: when it
+    # runs again, the heartbeats waiting for it have not been read yet.
+    clock = Clock()
+    driver, processes = driver_with_two_workers(clock)
+    absences = driver._absences  # noqa: SLF001 - the loop turns it every tick
+    registry = driver._registry  # noqa: SLF001
+    for _ in range(20):  # a second of turns, the workers' heartbeats at its start
+        clock.now += 0.05
+        absences.turn(clock.now)
+    clock.now += 15.0  # stopped
+    absences.turn(clock.now)
+    with registry.cond:
+        driver._kill_wedged(clock.now)  # noqa: SLF001
+    assert processes["a"].code is None and processes["b"].code is None
+    for turn in range(1, int(4.1 / 0.05) + 1):  # running again, past the timeout
+        clock.now += 0.05
+        absences.turn(clock.now)
+        if turn % 20 == 0:
+            registry.workers["a"].last_heartbeat = clock.now  # a heartbeats every second; b never again
+    with registry.cond:
+        driver._kill_wedged(clock.now)  # noqa: SLF001
+    assert processes["a"].code is None
+    assert processes["b"].code == -signal.SIGKILL
+
+
+def test_absences_count_only_gaps_longer_than_the_limit() -> None:
+    absences = Absences(0.0, longer_than=1.0, warn_longer_than=10.0)
+    absences.turn(0.9)
+    absences.turn(1.8)
+    assert absences.back_at == 0.0 and absences.silent_for(0.5, 1.8) == pytest.approx(1.3)
+    absences.turn(3.0)  # 1.2 s without a turn
+    assert absences.back_at == 3.0
+    assert absences.silent_for(0.5, 3.5) == pytest.approx(0.5)  # counted from the driver's return
+    assert absences.silent_for(3.2, 3.5) == pytest.approx(0.3)  # a later heartbeat counts from itself
