@@ -678,8 +678,10 @@ class Driver:
                 if item.spec.log_file is not None:
                     item.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
                 started.append((item, self._launcher.start(item.spec, item.prefix)))
+                self._absences.turn(self._clock())  # busy, not away: minutes of starts are no pause
             for spec in prepares:  # after the workers: a fork server no worker waits for yet
                 self._prepare(spec)  # type: ignore[misc]  # (set whenever prepares are queued)
+                self._absences.turn(self._clock())
         except StartError as err:
             failed = err
         finally:

@@ -8,9 +8,10 @@ waiting for it. So the loop notes when it did not turn for longer than the heart
 interval (it turns every tick, 50 ms, when idle), and a worker's silence is counted from
 the later of its last heartbeat and the end of that absence.
 
-The loop also stops turning while it starts workers (its lock released): thousands of
-starts take seconds and delay a wedged verdict by at most one timeout, which is the
-price of never mistaking the driver's absence for the workers'.
+Starting workers (its lock released; 4,096 ssh starts take minutes) counts as turns, one
+per start: the driver is busy then, not away. A loop pass that itself takes longer than
+the heartbeat interval delays a wedged verdict by at most one timeout, the price of never
+mistaking the driver's absence for the workers'.
 """
 
 from __future__ import annotations
