@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,9 @@ def parse_args() -> argparse.Namespace:
                              "last round)")
     faults.add_argument("--hang-after-done-on-host", default="",
                         help="after training returned, this host's workers never exit")
+    faults.add_argument("--child", action="store_true",
+                        help="start a child process that sleeps (as a data loader's worker or a tool would); it "
+                             "must not outlive the worker")
     faults.add_argument("--slow-exit", type=float, default=0.0,
                         help="seconds every worker's exit takes after it left the job (a busy machine's teardown)")
     return parser.parse_args()
@@ -108,6 +112,10 @@ def main() -> None:
     if args.start_delay and args.start_delay_on_host in ("all", os.environ.get("LIGHTNING_ELASTIC_HOSTNAME")):
         time.sleep(args.start_delay)  # before joining: the driver sees a worker still starting
     torch.manual_seed(0)
+    if args.child:
+        # Its command line names the events directory: the tests' check for processes left
+        # behind finds it. Never waited for: it ends with the worker's process group.
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", str(args.events)])  # noqa: S603
     if args.slow_exit:
         # Registered before le.init()'s own exit handler, so run after it: the worker has
         # reported and left the job, and sends no more heartbeats.

@@ -203,11 +203,15 @@ class Server:
                 pass
         while self._children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 return
-            if pid == 0:
+            if ended is None:
                 return
+            # What the worker left in its session ends with it; before the reap, while
+            # the group's id is still the worker's.
+            _kill_group(ended.si_pid)
+            pid, status = os.waitpid(ended.si_pid, 0)
             conn = self._children.pop(pid, None)
             if conn is not None:
                 self._selector.unregister(conn)

@@ -5,7 +5,8 @@ outlive the driver, yet a restarted driver must still learn how it ended, and a 
 that is not one's child leaves no exit status to read. So the driver starts this small
 keeper in a session of its own (no PR_SET_PDEATHSIG), and the keeper starts the worker in
 its process group, waits for it, writes its status (as ``Popen.returncode``: negative for a
-signal) atomically to the file STATUS, and exits.
+signal) atomically to the file STATUS, and ends the group (what the worker left there, then
+itself: SIGKILL, the status being written).
 
 - Output: the worker inherits the keeper's stdout, a file in the state dir opened for
   appending, which the driver follows. Nothing breaks when the driver dies.
@@ -64,6 +65,10 @@ def main(argv: list[str]) -> int:
         os.close(fd)  # the worker holds the pipe now; its EOF must not wait for us
     status = proc.wait()
     write_status(status_path, status)
+    # What the worker left in the group (a data loader's workers, a tool it started) ends
+    # with it, this keeper last: the group is the keeper's own, its id safe while it lives.
+    if os.getpgrp() == os.getpid():  # always, as started (a session of its own); never another's group
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     return 0
 
 

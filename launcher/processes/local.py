@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from typing import IO
 
@@ -11,7 +12,7 @@ from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.network import collective_interface_env
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
-from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
+from lightning_elastic.launcher.processes.spawn import end_leftovers, exited, signal_group, spawn_worker
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 
@@ -49,16 +50,21 @@ class LocalProcess:
         return self._proc.pid
 
     def poll(self) -> int | None:
+        if self._proc.returncode is not None:
+            return self._proc.returncode
+        if not exited(self._proc.pid):
+            return None
+        end_leftovers(self._proc.pid)  # before the reap, while the group's id is the worker's
         return self._proc.poll()
 
     def signal(self, sig: int) -> None:
         signal_group(self._proc.pid, sig)
 
     def wait(self, timeout: float) -> int | None:
-        try:
-            return self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        deadline = time.monotonic() + timeout
+        while (status := self.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # Popen.wait would reap before the group's leftovers are ended
+        return status
 
     def finish_output(self, timeout: float = 5.0) -> None:
         self._forwarder.join(timeout)

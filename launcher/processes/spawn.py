@@ -1,7 +1,7 @@
 """Starting one worker process on the machine it runs on (used locally and by the ssh supervisor).
 
 The worker runs in its own session (process group), so a signal reaches every process it
-started (data-loader workers); it gets SIGKILL when its parent dies (PR_SET_PDEATHSIG), so
+started (data-loader workers), and what it leaves there when it exits is ended with it; it gets SIGKILL when its parent dies (PR_SET_PDEATHSIG), so
 it never outlives the driver or the supervisor even when they are SIGKILLed (with
 ``--state-dir`` a keeper is started without it instead, see keeper.py). The job
 secret reaches it through an inherited pipe, never the command line or the environment,
@@ -94,6 +94,24 @@ def spawn_worker(
         os.close(read_end)
         if write_end >= 0:
             os.close(write_end)
+
+
+def exited(pid: int, block: bool = False) -> bool:
+    """Has this process's child ``pid`` exited? Asked without reaping it (``WNOWAIT``): until
+    it is reaped its pid, and so its process group's id, is no other process's, and the
+    group can be signalled safely (see ``end_leftovers``). ``block``: wait for the exit."""
+    flags = os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG)
+    try:
+        return os.waitid(os.P_PID, pid, flags) is not None
+    except ChildProcessError:
+        return True  # reaped already (the caller must not signal its group then)
+
+
+def end_leftovers(pid: int) -> None:
+    """SIGKILL what an exited worker left in its process group (a data loader's workers, a
+    server or tool it started): nothing it started outlives it, as under torchrun. Only
+    between ``exited`` and the reap: the group's id is still the worker's."""
+    signal_group(pid, signal.SIGKILL)
 
 
 def signal_group(pid: int, sig: int) -> None:

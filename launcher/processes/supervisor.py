@@ -39,7 +39,7 @@ import threading
 from typing import Any
 
 from lightning_elastic.launcher.network import collective_interface_env
-from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
+from lightning_elastic.launcher.processes.spawn import end_leftovers, exited, signal_group, spawn_worker
 
 MARK = "lightning-elastic-supervisor:"
 # How long the worker gets to exit after SIGKILL before the supervisor leaves anyway.
@@ -117,7 +117,12 @@ def main() -> int:
     if not in_step:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, on_signal)
-    threading.Thread(target=lambda: end(proc.wait()), name="reaper", daemon=True).start()
+    def reap() -> None:
+        exited(proc.pid, block=True)
+        end_leftovers(proc.pid)  # before the reap, while the group's id is the worker's
+        end(proc.wait())
+
+    threading.Thread(target=reap, name="reaper", daemon=True).start()
 
     for line in iter(stdin.readline, b""):
         verb, _, arg = line.decode(errors="replace").strip().partition(" ")

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from lightning_elastic.launcher.network import collective_interface_env
-from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
+from lightning_elastic.launcher.processes.spawn import end_leftovers, exited, signal_group, spawn_worker
 from lightning_elastic.launcher.ray.sealed import KeyPair, Sealed, open_sealed
 from lightning_elastic import protocol
 
@@ -148,6 +148,15 @@ class WorkerAgent:
             started.put(err)
             return
         started.put(proc.pid)
+
+        def end_what_it_left() -> None:
+            # What the worker left in its group holds its output pipe open: the read below
+            # would never see EOF. Ended at its exit, before the reap (spawn.end_leftovers).
+            exited(proc.pid, block=True)
+            end_leftovers(proc.pid)
+
+        leftovers = threading.Thread(target=end_what_it_left, name="worker-leftovers", daemon=True)
+        leftovers.start()
         assert proc.stdout is not None
         fd = proc.stdout.fileno()
         while chunk := os.read(fd, 65536):
@@ -155,6 +164,7 @@ class WorkerAgent:
                 self._cond.wait_for(lambda: len(self._buffer) < BUFFER_LIMIT)
                 self._buffer += chunk
                 self._cond.notify_all()
+        leftovers.join()  # the worker has exited: bounded
         status = proc.wait()
         with self._cond:
             self._status = status

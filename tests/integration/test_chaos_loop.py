@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 
+import psutil
 import pytest
 
 from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
@@ -191,6 +192,32 @@ def test_a_driver_stopped_longer_than_the_heartbeat_timeout_kills_nobody_when_it
     assert job.world_sizes() == [2]
     assert_epochs_complete(job, 16)
     assert_replicas_identical(job)
+
+
+def test_what_a_worker_started_ends_with_it_whether_it_exits_or_is_killed(job: Job) -> None:
+    # Each worker starts a child that would sleep for an hour (a data loader's worker, a
+    # tool). One worker alone is SIGKILLed, not its group (as the kernel's OOM killer does);
+    # the other finishes training and exits.
+    job.start(["-np", "2", "--min-np", "1", "-H", f"{H1},{H2}"], [*STEADY, "--epochs", "6", "--child"])
+    job.wait_rounds(1)
+    job.wait_steps(3)
+    victim = psutil.Process(job.worker_pid("127.0.0.2"))
+    left = victim.children()
+    assert left, "the worker's child did not start"
+    victim.send_signal(signal.SIGKILL)
+    wait_for(lambda: not any(_alive(c) for c in left), 10, "the killed worker's child to end with it")
+    survivor = psutil.Process(job.worker_pid("127.0.0.1")).children()
+    assert survivor
+    assert job.wait() == 0, job.stderr()[-3000:]
+    wait_for(lambda: not any(_alive(c) for c in survivor), 10, "the finished worker's child to end with it")
+    assert not job.stray_processes()
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # ----- collective errors -----------------------------------------------------------------

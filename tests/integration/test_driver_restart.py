@@ -154,7 +154,7 @@ def test_sigterm_hands_the_job_over_to_the_next_driver(job: Job) -> None:
 
 def test_worker_lost_during_the_outage_is_recovered_from_once_the_driver_is_back(job: Job) -> None:
     job.set_hosts(H1, H2)
-    args, example = restart_args(job, "-np", "2", "--min-np", "1"), [*STEADY, "--epochs", "4"]
+    args, example = restart_args(job, "-np", "2", "--min-np", "1"), [*STEADY, "--epochs", "4", "--child"]  # ended by keepers
     job.start(args, example)
     job.wait_rounds(1)
     job.wait_steps(4)

@@ -71,7 +71,8 @@ def last_step_before_round(job: Job, round_number: int) -> int:
 
 def test_job_on_three_remote_hosts_trains_to_the_end(job: Job, hosts: NamespacedHosts) -> None:
     h1, h2, h3 = hosts.names
-    code = job.run(launch_args(hosts, "-np", "4", "-H", f"{h1}:2,{h2}:1,{h3}:1"), [*STEADY, "--epochs", "2"])
+    # --child: what each worker starts ends with it (through its supervisor)
+    code = job.run(launch_args(hosts, "-np", "4", "-H", f"{h1}:2,{h2}:1,{h3}:1"), [*STEADY, "--epochs", "2", "--child"])
     assert code == 0, job.stderr()[-3000:]
     starts = sorted(job.events("start"), key=lambda e: e["rank"])
     # Each worker ran on its own machine (its own host name), with the planned slot.
@@ -332,7 +333,7 @@ def test_preloaded_workers_fork_from_their_own_hosts_server_and_a_spare_is_warm(
     h1, h2, h3 = hosts.names
     dirs_before = set(glob.glob("/tmp/lightning-elastic-fork-*"))
     job.start(launch_args(hosts, "-np", "3", "--min-np", "1", "--max-np", "3", "-H", f"{h1}:2,{h2}:1,{h3}:1",
-                          "--preload", "torch"), [*STEADY, "--epochs", "4"])
+                          "--preload", "torch"), [*STEADY, "--epochs", "4", "--child"])
     servers = wait_for(lambda: set(re.findall(r"Workers on (\S+) fork from a server", job.stderr())) == {h1, h2, h3},
                        60, "a fork server on each of the three hosts")
     assert servers

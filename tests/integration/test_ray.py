@@ -94,7 +94,8 @@ def worker_started_on(job: Job, host: str) -> list[dict[str, Any]]:
 
 def test_cli_trains_to_the_end_on_three_nodes(job: Job, nodes: RayCluster) -> None:
     add_nodes(nodes, 3)
-    code = job.run(ray_args(nodes, "-np", "3"), [*STEADY, "--epochs", "2"], timeout=180)
+    # --child: what each worker starts ends with it (the node agent ends its group)
+    code = job.run(ray_args(nodes, "-np", "3"), [*STEADY, "--epochs", "2", "--child"], timeout=180)
     assert code == 0, job.stderr()[-3000:]
     assert job.world_sizes() == [3]
     hosts = {e["worker"].split("[")[0] for e in job.events("start")}

@@ -50,7 +50,7 @@ def assert_nothing_left(job: Job, server: int) -> None:
 def test_a_replacement_is_forked_from_the_warm_server_and_joins_without_rollback(job: Job) -> None:
     job.set_hosts(H1, H2, H3)  # 127.0.0.3 is a spare: --max-np 2
     job.start(discovery_args(job, "-np", "2", "--min-np", "1", "--max-np", "2", "--preload", "torch"),
-              ["--epochs", "6", "--step-delay", "0.05"])
+              ["--epochs", "6", "--step-delay", "0.05", "--child"])  # a child of each worker ends with it
     server = server_pid(job)
     job.wait_steps(5)
     victim = job.worker_pid("127.0.0.1")

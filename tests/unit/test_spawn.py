@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
-from tests.unit.proc_tools import BOUND, LineReader, kill_quietly, wait_gone
+from lightning_elastic.launcher.processes.spawn import end_leftovers, exited, signal_group, spawn_worker
+from tests.unit.proc_tools import BOUND, LineReader, is_gone, kill_quietly, wait_gone
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -125,6 +125,33 @@ def test_signal_group_of_a_finished_and_reaped_worker_does_not_raise(started):
     signal_group(proc.pid, signal.SIGTERM)
     signal_group(proc.pid, signal.SIGKILL)
     assert proc.poll() == 0
+
+
+def test_an_exited_worker_is_seen_unreaped_and_what_it_left_in_its_group_is_ended():
+    # The worker starts a child that would sleep a minute, then exits by itself.
+    leaves = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print('child', p.pid, flush=True)")
+    proc = spawn_worker([sys.executable, "-c", leaves], dict(os.environ), SECRET, None, subprocess.PIPE, FD_VARIABLE)
+    try:
+        reader = LineReader(proc.stdout)
+        word, pid = reader.next().split()
+        assert word == "child"
+        assert exited(proc.pid, block=True)
+        assert exited(proc.pid)  # asked again: still not reaped
+        assert not is_gone(int(pid))  # what it left runs on in its group
+        end_leftovers(proc.pid)
+        assert wait_gone(int(pid))
+        assert proc.poll() == 0  # reaped only now, with its own status
+    finally:
+        kill_quietly(proc.pid)
+        proc.wait(BOUND)
+        proc.stdout.close()
+
+
+def test_a_running_worker_has_not_exited(started):
+    proc = started("--stay")
+    LineReader(proc.stdout).next()
+    assert not exited(proc.pid)
 
 
 def test_missing_program_raises_and_leaks_no_descriptor():
