@@ -1,8 +1,9 @@
 """Starting one worker process on the machine it runs on (used locally and by the ssh supervisor).
 
 The worker runs in its own session (process group), so a signal reaches every process it
-started (data-loader workers), and what it leaves there when it exits is ended with it; it gets SIGKILL when its parent dies (PR_SET_PDEATHSIG), so
-it never outlives the driver or the supervisor even when they are SIGKILLed (with
+started (data-loader workers), and what it leaves there when it exits is ended with it
+(``end_leftovers``); it gets SIGKILL when its parent dies (PR_SET_PDEATHSIG), so it never
+outlives the driver or the supervisor even when they are SIGKILLed (with
 ``--state-dir`` a keeper is started without it instead, see keeper.py). The job
 secret reaches it through an inherited pipe, never the command line or the environment,
 where ``ps`` would show it.

@@ -117,6 +117,7 @@ def main() -> int:
     if not in_step:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, on_signal)
+
     def reap() -> None:
         exited(proc.pid, block=True)
         end_leftovers(proc.pid)  # before the reap, while the group's id is the worker's
