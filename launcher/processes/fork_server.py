@@ -258,8 +258,11 @@ def _listen(directory: str) -> tuple[socket.socket, int]:
     fcntl.flock(lock, fcntl.LOCK_EX)
     os.rename(os.path.join(directory, LOCK + ".new"), os.path.join(directory, LOCK))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(os.path.join(directory, "socket"))
+    # Bound under another name and given its own once listening: a client that finds the
+    # socket between bind and listen would be refused (and start cold).
+    listener.bind(os.path.join(directory, "socket.new"))
     listener.listen(LISTEN_QUEUE)
+    os.rename(os.path.join(directory, "socket.new"), os.path.join(directory, "socket"))
     return listener, lock
 
 
