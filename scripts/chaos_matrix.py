@@ -154,6 +154,16 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "address, the filesystem shared)", "success in the same round on both hosts",
      "the new driver serves on its own address, re-attaches over ssh; same processes; each worker follows the URL in "
      "`DIR/driver-url`"),
+    ("test_chaos_loop.py::test_workers_slow_to_exit_after_they_reported_are_not_taken_for_wedged", "loop",
+     "every worker takes 4 s to exit after it reported, with no heartbeat, past a `--heartbeat-timeout` of 2 s",
+     "success; nobody killed", "both reported done, no \"no heartbeat\" verdict"),
+    ("test_chaos_loop.py::test_a_driver_stopped_longer_than_the_heartbeat_timeout_kills_nobody_when_it_continues", "loop",
+     "the driver SIGSTOPped for 4.5 s mid-training (Ctrl-Z and `fg`), `--heartbeat-timeout 3`, then SIGCONT",
+     "success at the same size; nobody killed", f"the driver's warning says how long it was away; {EO}"),
+    ("test_chaos_loop.py::test_what_a_worker_started_ends_with_it_whether_it_exits_or_is_killed", "loop",
+     "each worker starts a child (an hour's sleep); one worker alone is SIGKILLed (as by the OOM killer), the other "
+     "finishes", "success at 1 of 2",
+     "the killed worker's child ends with it, the finished worker's child at its exit; nothing left after the driver"),
 ]
 
 
