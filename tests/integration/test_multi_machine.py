@@ -8,7 +8,6 @@ paths), so the example's event files and ``psutil`` see every host's workers.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -21,6 +20,8 @@ import pytest
 import requests
 
 from lightning_elastic import protocol as p
+from lightning_elastic.launcher.processes.fork_client import server_directory
+from lightning_elastic.launcher.processes.warm_start import SERVER_MODULE
 from tests.integration.harness import (
     Job,
     assert_epochs_complete,
@@ -331,7 +332,6 @@ def test_preloaded_workers_fork_from_their_own_hosts_server_and_a_spare_is_warm(
     # a worker (h3, a listed spare, gets its server before any worker needs it); a worker
     # SIGKILLed on h2 is replaced on h3 by a fork of h3's server.
     h1, h2, h3 = hosts.names
-    dirs_before = set(glob.glob("/tmp/lightning-elastic-fork-*"))
     job.start(launch_args(hosts, "-np", "3", "--min-np", "1", "--max-np", "3", "-H", f"{h1}:2,{h2}:1,{h3}:1",
                           "--preload", "torch"), [*STEADY, "--epochs", "4", "--child"])
     servers = wait_for(lambda: set(re.findall(r"Workers on (\S+) fork from a server", job.stderr())) == {h1, h2, h3},
@@ -346,6 +346,8 @@ def test_preloaded_workers_fork_from_their_own_hosts_server_and_a_spare_is_warm(
     replacement = wait_for(lambda: worker_pids(job, h3), 60, f"the replacement on {h3}")
     (spare_server,) = {psutil.Process(pid).ppid() for pid in replacement}
     assert spare_server in hosts.pids(h3)
+    directories = {server_directory(server_token(pid), {}) for pid in (*parents[h1], *parents[h2], spare_server)}
+    assert len(directories) == 3 and all(os.path.isdir(d) for d in directories)
     assert job.wait() == 0, job.stderr()[-3000:]
     assert f"worker {h2}[0]#2 was killed by SIGKILL" in job.stderr()
     assert job.world_sizes() == [3, 2, 3]
@@ -354,6 +356,12 @@ def test_preloaded_workers_fork_from_their_own_hosts_server_and_a_spare_is_warm(
     assert_replicas_identical(job)
     for name in hosts.names:
         assert wait_for(lambda: not _our_processes(hosts, name, job), 10, f"nothing left on {name}")
-    # Each server removed its directory. Not "== dirs_before": a server sweeps an abandoned
-    # directory it finds (another test's, whose driver was SIGKILLed), and another lane's may come and go.
-    assert not set(glob.glob("/tmp/lightning-elastic-fork-*")) - dirs_before
+    # Each server removed its own directory (named by its token: other tests' servers, in
+    # the other lane, come and go in the same /tmp meanwhile).
+    assert not [d for d in directories if os.path.exists(d)]
+
+
+def server_token(pid: int) -> str:
+    """The token a fork server was started with (its command line: ``-m MODULE TOKEN ...``)."""
+    cmdline = psutil.Process(pid).cmdline()
+    return cmdline[cmdline.index(SERVER_MODULE) + 1]
