@@ -50,11 +50,8 @@ class LocalProcess:
         return self._proc.pid
 
     def poll(self) -> int | None:
-        if self._proc.returncode is not None:
-            return self._proc.returncode
-        if not exited(self._proc.pid):
-            return None
-        end_leftovers(self._proc.pid)  # before the reap, while the group's id is the worker's
+        if self._proc.returncode is None and exited(self._proc.pid):
+            end_leftovers(self._proc.pid)  # before the reap, while the group's id is the worker's
         return self._proc.poll()
 
     def signal(self, sig: int) -> None:

@@ -98,21 +98,29 @@ def spawn_worker(
 
 
 def exited(pid: int, block: bool = False) -> bool:
-    """Has this process's child ``pid`` exited? Asked without reaping it (``WNOWAIT``): until
-    it is reaped its pid, and so its process group's id, is no other process's, and the
-    group can be signalled safely (see ``end_leftovers``). ``block``: wait for the exit."""
+    """Has this process's child ``pid`` exited, and is it not reaped yet? Asked without
+    reaping it (``WNOWAIT``): until it is reaped its pid, and so its process group's id, is
+    no other process's, and the group can be signalled safely (see ``end_leftovers``).
+    False while it runs, and once it has been reaped (its group's id may be another's then).
+    ``block``: wait for the exit."""
     flags = os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG)
     try:
         return os.waitid(os.P_PID, pid, flags) is not None
     except ChildProcessError:
-        return True  # reaped already (the caller must not signal its group then)
+        return False
 
 
 def end_leftovers(pid: int) -> None:
     """SIGKILL what an exited worker left in its process group (a data loader's workers, a
     server or tool it started): nothing it started outlives it, as under torchrun. Only
-    between ``exited`` and the reap: the group's id is still the worker's."""
+    when ``exited`` says so: the group's id is still the worker's."""
     signal_group(pid, signal.SIGKILL)
+
+
+def end_leftovers_at_exit(pid: int) -> None:
+    """Wait for the child ``pid`` to exit, then end what it left in its group; the caller reaps it."""
+    if exited(pid, block=True):
+        end_leftovers(pid)
 
 
 def signal_group(pid: int, sig: int) -> None:

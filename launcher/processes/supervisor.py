@@ -39,7 +39,7 @@ import threading
 from typing import Any
 
 from lightning_elastic.launcher.network import collective_interface_env
-from lightning_elastic.launcher.processes.spawn import end_leftovers, exited, signal_group, spawn_worker
+from lightning_elastic.launcher.processes.spawn import end_leftovers_at_exit, signal_group, spawn_worker
 
 MARK = "lightning-elastic-supervisor:"
 # How long the worker gets to exit after SIGKILL before the supervisor leaves anyway.
@@ -119,8 +119,7 @@ def main() -> int:
             signal.signal(sig, on_signal)
 
     def reap() -> None:
-        exited(proc.pid, block=True)
-        end_leftovers(proc.pid)  # before the reap, while the group's id is the worker's
+        end_leftovers_at_exit(proc.pid)
         end(proc.wait())
 
     threading.Thread(target=reap, name="reaper", daemon=True).start()

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from lightning_elastic.launcher.network import collective_interface_env
-from lightning_elastic.launcher.processes.spawn import end_leftovers, exited, signal_group, spawn_worker
+from lightning_elastic.launcher.processes.spawn import end_leftovers_at_exit, signal_group, spawn_worker
 from lightning_elastic.launcher.ray.sealed import KeyPair, Sealed, open_sealed
 from lightning_elastic import protocol
 
@@ -149,13 +149,10 @@ class WorkerAgent:
             return
         started.put(proc.pid)
 
-        def end_what_it_left() -> None:
-            # What the worker left in its group holds its output pipe open: the read below
-            # would never see EOF. Ended at its exit, before the reap (spawn.end_leftovers).
-            exited(proc.pid, block=True)
-            end_leftovers(proc.pid)
-
-        leftovers = threading.Thread(target=end_what_it_left, name="worker-leftovers", daemon=True)
+        # What the worker leaves in its group holds its output pipe open: the read below
+        # would never see EOF. Ended at its exit, before the reap below.
+        leftovers = threading.Thread(target=end_leftovers_at_exit, args=(proc.pid,), name="worker-leftovers",
+                                     daemon=True)
         leftovers.start()
         assert proc.stdout is not None
         fd = proc.stdout.fileno()

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
+from tests.unit.proc_tools import is_gone
 
 pytestmark = pytest.mark.integration
 
@@ -205,19 +206,12 @@ def test_what_a_worker_started_ends_with_it_whether_it_exits_or_is_killed(job: J
     left = victim.children()
     assert left, "the worker's child did not start"
     victim.send_signal(signal.SIGKILL)
-    wait_for(lambda: not any(_alive(c) for c in left), 10, "the killed worker's child to end with it")
+    wait_for(lambda: all(is_gone(c.pid) for c in left), 10, "the killed worker's child to end with it")
     survivor = psutil.Process(job.worker_pid("127.0.0.1")).children()
     assert survivor
     assert job.wait() == 0, job.stderr()[-3000:]
-    wait_for(lambda: not any(_alive(c) for c in survivor), 10, "the finished worker's child to end with it")
+    wait_for(lambda: all(is_gone(c.pid) for c in survivor), 10, "the finished worker's child to end with it")
     assert not job.stray_processes()
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 # ----- collective errors -----------------------------------------------------------------

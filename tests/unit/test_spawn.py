@@ -142,6 +142,7 @@ def test_an_exited_worker_is_seen_unreaped_and_what_it_left_in_its_group_is_ende
         end_leftovers(proc.pid)
         assert wait_gone(int(pid))
         assert proc.poll() == 0  # reaped only now, with its own status
+        assert not exited(proc.pid)  # reaped: its group's id is no longer safe to signal
     finally:
         kill_quietly(proc.pid)
         proc.wait(BOUND)
