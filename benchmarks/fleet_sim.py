@@ -332,7 +332,7 @@ def freeze_simulator_heap() -> None:
     4,096 workers' state (12,288 connections with their streams, tasks and buffers), and
     CPython's default collections walk all of it: full collections of 0.1-0.3 s that stop
     every simulated worker at once, which no real fleet does. Like the driver
-    (``launcher/gc_policy.py``): young collections every 20,000 allocations, and the
+    (``launcher/driver/gc_policy.py``): young collections every 20,000 allocations, and the
     fleet's long-lived objects frozen once the first round has formed.
     """
     gc.set_threshold(20_000, GC_DEFAULTS[1], GC_DEFAULTS[2])

@@ -19,12 +19,12 @@ from typing import Any
 from lightning_elastic import __version__
 from lightning_elastic.launcher.command import check_command, check_script, with_python
 from lightning_elastic.launcher.config import LaunchConfig, RaySettings, SlurmSettings, SshSettings, Timeouts
-from lightning_elastic.launcher.discovery import SCRIPT_TIMEOUT
-from lightning_elastic.launcher.driver import launch
+from lightning_elastic.launcher.hosts.discovery import SCRIPT_TIMEOUT
+from lightning_elastic.launcher.driver.driver import launch
 from lightning_elastic.launcher.errors import ConfigError
-from lightning_elastic.launcher.hosts import HostSlots, count_slots, parse_host_list, parse_hostfile
-from lightning_elastic.launcher.log_writer import BackgroundStreamHandler
-from lightning_elastic.launcher.network import explicit_driver_address
+from lightning_elastic.launcher.job.slots import HostSlots, count_slots, parse_host_list, parse_hostfile
+from lightning_elastic.launcher.observe.log_writer import BackgroundStreamHandler
+from lightning_elastic.launcher.hosts.network import explicit_driver_address
 from lightning_elastic.launcher.processes.output import WRITE_ERRORS, flush_or_discard
 from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings, is_url
 
@@ -322,7 +322,7 @@ def slurm_from_args(args: argparse.Namespace) -> SlurmSettings | None:
         if args.slurm_jobs is not None:
             raise ConfigError("--slurm-jobs: only with --slurm")
         return None
-    from lightning_elastic.launcher.slurm import slurm_settings  # noqa: PLC0415
+    from lightning_elastic.launcher.hosts.slurm import slurm_settings  # noqa: PLC0415
 
     return slurm_settings(os.environ, args.slurm_jobs, args.slots_per_host)
 
@@ -436,7 +436,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if args.verb == "timeline":
         return draw_timeline(args.log_dir, args.output)
     # Written by a thread of its own: the driver logs while the service waits on it, and a
-    # stderr that stops draining must not stop the driver (launcher/log_writer.py).
+    # stderr that stops draining must not stop the driver (launcher/observe/log_writer.py).
     log_output = BackgroundStreamHandler(sys.stderr)
     log_output.setFormatter(logging.Formatter("lightning-elastic %(asctime)s %(levelname)s %(message)s",
                                               datefmt="%H:%M:%S"))
@@ -475,7 +475,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
 
 def draw_timeline(log_dir: Path, output: Path | None) -> int:
-    from lightning_elastic.launcher.timeline import draw_log_dir  # noqa: PLC0415 - matplotlib only here
+    from lightning_elastic.launcher.observe.timeline import draw_log_dir  # noqa: PLC0415 - matplotlib only here
 
     try:
         written = draw_log_dir(log_dir, output)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from lightning_elastic.launcher.errors import ConfigError
-from lightning_elastic.launcher.hosts import HostSlots, count_slots
+from lightning_elastic.launcher.job.slots import HostSlots, count_slots
 from lightning_elastic.snapshot_files import SnapshotSettings
 
 
@@ -188,7 +188,7 @@ class LaunchConfig:
     # newest commit, and the one a launch resumes from (lightning_elastic.snapshot_files).
     snapshots: SnapshotSettings | None = None
     # --state-dir: where the driver keeps what a restarted driver needs to adopt the job
-    # (launcher/state_dir.py); local workers then outlive the driver. None: they die with it.
+    # (launcher/restart/state_dir.py); local workers then outlive the driver. None: they die with it.
     state_dir: Path | None = None
     # --driver-patience: with --state-dir, how long workers wait for an unreachable driver.
     driver_patience: float = 120.0

@@ -291,7 +291,7 @@ class NonceSequence:
     """The nonces of one sender: 16 hex digits drawn once, then 16 of a sequence number.
 
     The driver refuses a replay by remembering, per sender, the newest sequence number and
-    a bitmap of the ones below it (``launcher/replay_guard.py``): memory per sender, not
+    a bitmap of the ones below it (``launcher/service/replay_guard.py``): memory per sender, not
     per request. A forked child (a data-loader worker that copied its parent's client)
     draws a sender of its own, so parent and child never send the same nonce.
     """

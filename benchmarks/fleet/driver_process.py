@@ -33,13 +33,13 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.fleet.gc_pauses import GcPauses  # noqa: E402
 from lightning_elastic import protocol as p  # noqa: E402
-from lightning_elastic.launcher.adoption import StateKeeping  # noqa: E402
+from lightning_elastic.launcher.restart.adoption import StateKeeping  # noqa: E402
 from lightning_elastic.launcher.config import LaunchConfig, Timeouts  # noqa: E402
-from lightning_elastic.launcher.discovery import FixedHosts  # noqa: E402
-from lightning_elastic.launcher.driver import Driver  # noqa: E402
-from lightning_elastic.launcher.hosts import HostSlots  # noqa: E402
+from lightning_elastic.launcher.hosts.discovery import FixedHosts  # noqa: E402
+from lightning_elastic.launcher.driver.driver import Driver  # noqa: E402
+from lightning_elastic.launcher.job.slots import HostSlots  # noqa: E402
 from lightning_elastic.launcher.processes.base import WorkerSpec  # noqa: E402
-from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry  # noqa: E402
+from lightning_elastic.launcher.restart.state_dir import StateDir, WorkerEntry  # noqa: E402
 
 
 class SimulatedLauncher:

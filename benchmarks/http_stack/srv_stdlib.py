@@ -1,4 +1,4 @@
-"""(a) http.server.ThreadingHTTPServer, HTTP/1.1, TCP_NODELAY -- as in launcher/rendezvous_server.py."""
+"""(a) http.server.ThreadingHTTPServer, HTTP/1.1, TCP_NODELAY -- as in launcher/service/rendezvous_server.py."""
 import common
 common.setup()
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

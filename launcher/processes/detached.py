@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import IO
 
 from lightning_elastic.launcher.errors import StartError
-from lightning_elastic.launcher.network import collective_interface_env
+from lightning_elastic.launcher.hosts.network import collective_interface_env
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
-from lightning_elastic.launcher.processes.spawn import signal_group, spawn_worker
-from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry
+from lightning_elastic.launcher.node.spawn import signal_group, spawn_worker
+from lightning_elastic.launcher.restart.state_dir import StateDir, WorkerEntry
 from lightning_elastic.protocol import ENV_SECRET_FD
 
-KEEPER = Path(__file__).resolve().with_name("keeper.py")
+KEEPER = Path(__file__).resolve().parent.parent / "node" / "keeper.py"
 FOLLOW_POLL = 0.1  # seconds between looks at a worker's output file with nothing new
 
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from typing import IO
 
 from lightning_elastic.launcher.errors import StartError
-from lightning_elastic.launcher.network import collective_interface_env
+from lightning_elastic.launcher.hosts.network import collective_interface_env
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
-from lightning_elastic.launcher.processes.spawn import end_leftovers, exited, signal_group, spawn_worker
+from lightning_elastic.launcher.node.spawn import end_leftovers, exited, signal_group, spawn_worker
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 

@@ -33,9 +33,9 @@ from typing import IO
 
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
-from lightning_elastic.launcher.processes.spawn import start_supervisor_client
+from lightning_elastic.launcher.node.spawn import start_supervisor_client
 from lightning_elastic.launcher.processes.ssh import SshProcess, start_message
-from lightning_elastic.launcher.slurm import SlurmNodes
+from lightning_elastic.launcher.hosts.slurm import SlurmNodes
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def srun_argv(job_id: str, node: str, cwd: str, worker_id: str, python: str = sy
     return [
         "srun", "--jobid", job_id, "--overlap", "--nodes=1", "--ntasks=1", "-w", node,
         "--quiet", "--kill-on-bad-exit=0", "--chdir", cwd, f"--job-name=le-{worker_id}",
-        python, "-m", "lightning_elastic.launcher.processes.supervisor",
+        python, "-m", "lightning_elastic.launcher.node.supervisor",
     ]
 
 

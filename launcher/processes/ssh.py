@@ -1,7 +1,7 @@
 """Workers on other machines, started through the system OpenSSH client.
 
 As with horovodrun and mpirun, hosts share a filesystem (or have the same paths): the
-remote side runs ``cd CWD && exec PYTHON -m lightning_elastic.launcher.processes.supervisor`` with the
+remote side runs ``cd CWD && exec PYTHON -m lightning_elastic.launcher.node.supervisor`` with the
 driver's own interpreter and working directory. The supervisor receives the command, the
 environment and the job secret on stdin (inside the encrypted channel), starts the worker
 and reports its exit status on stderr; see ``supervisor.py`` for that small protocol.
@@ -32,9 +32,9 @@ from lightning_elastic.launcher.config import SshSettings
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.detached import CountingStream, read_offset
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
-from lightning_elastic.launcher.processes.spawn import start_supervisor_client
-from lightning_elastic.launcher.processes.supervisor import MARK
-from lightning_elastic.launcher.state_dir import StateDir, WorkerEntry, safe_name
+from lightning_elastic.launcher.node.spawn import start_supervisor_client
+from lightning_elastic.launcher.node.supervisor import MARK
+from lightning_elastic.launcher.restart.state_dir import StateDir, WorkerEntry, safe_name
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def start_message(spec: WorkerSpec, env: dict[str, str]) -> dict[str, Any]:
 
 
 def remote_command(cwd: str, python: str = sys.executable) -> str:
-    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m lightning_elastic.launcher.processes.supervisor"
+    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m lightning_elastic.launcher.node.supervisor"
 
 
 class SshLauncher:

@@ -28,8 +28,8 @@ from lightning_elastic.launcher.processes.base import WorkerLauncher, WorkerProc
 
 log = logging.getLogger(__name__)
 
-SERVER_MODULE = "lightning_elastic.launcher.processes.fork_server"
-CLIENT_MODULE = "lightning_elastic.launcher.processes.fork_client"
+SERVER_MODULE = "lightning_elastic.launcher.node.fork_server"
+CLIENT_MODULE = "lightning_elastic.launcher.node.fork_client"
 STOP_GRACE = 5.0  # seconds a server gets to remove its directory after SIGTERM
 LOCAL = "this machine"
 

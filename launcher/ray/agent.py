@@ -24,8 +24,8 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 
-from lightning_elastic.launcher.network import collective_interface_env
-from lightning_elastic.launcher.processes.spawn import end_leftovers_at_exit, signal_group, spawn_worker
+from lightning_elastic.launcher.hosts.network import collective_interface_env
+from lightning_elastic.launcher.node.spawn import end_leftovers_at_exit, signal_group, spawn_worker
 from lightning_elastic.launcher.ray.sealed import KeyPair, Sealed, open_sealed
 from lightning_elastic import protocol
 

@@ -19,7 +19,7 @@ import ray
 
 from lightning_elastic.launcher.config import LaunchConfig, RaySettings
 from lightning_elastic.launcher.errors import ConfigError
-from lightning_elastic.launcher.network import resolve, route_source
+from lightning_elastic.launcher.hosts.network import resolve, route_source
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.ray.launcher import RayLauncher, first_line
 from lightning_elastic.launcher.ray.nodes import RayNodeDiscovery

@@ -23,8 +23,8 @@ import ray
 
 from lightning_elastic.launcher.config import RaySettings
 from lightning_elastic.launcher.errors import DiscoveryError
-from lightning_elastic.launcher.hosts import HostSlots
-from lightning_elastic.launcher.network import HostClassifier
+from lightning_elastic.launcher.job.slots import HostSlots
+from lightning_elastic.launcher.hosts.network import HostClassifier
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic.launcher.network import local_addresses
+from lightning_elastic.launcher.hosts.network import local_addresses
 from tests.integration.harness import LAUNCHER, REPO, processes_running, wait_for
 
 pytestmark = pytest.mark.integration

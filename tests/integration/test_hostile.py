@@ -3,7 +3,7 @@ real hostile clients, real resource limits. Each test says the bound it checks.
 
 Not here, and why: a step of the driver's wall clock (stepping this machine's clock would
 step every other test's too) is tested on the real service in
-tests/unit/test_rendezvous_server.py (``test_a_driver_clock_step_and_its_correction_lock_nobody_out``).
+tests/unit/launcher/service/test_rendezvous_server.py (``test_a_driver_clock_step_and_its_correction_lock_nobody_out``).
 """
 
 from __future__ import annotations

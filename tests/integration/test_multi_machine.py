@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from lightning_elastic import protocol as p
-from lightning_elastic.launcher.processes.fork_client import server_directory
+from lightning_elastic.launcher.node.fork_client import server_directory
 from lightning_elastic.launcher.processes.warm_start import SERVER_MODULE
 from tests.integration.harness import (
     Job,
@@ -321,7 +321,7 @@ def _our_processes(hosts: NamespacedHosts, name: str, job: Job) -> list[int]:
             cmdline = " ".join(psutil.Process(pid).cmdline())
         except psutil.NoSuchProcess:
             continue
-        if str(job.events_dir) in cmdline or "lightning_elastic.launcher.processes.supervisor" in cmdline:
+        if str(job.events_dir) in cmdline or "lightning_elastic.launcher.node.supervisor" in cmdline:
             found.append(pid)
     return found
 

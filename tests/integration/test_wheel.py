@@ -78,7 +78,7 @@ def test_the_wheel_holds_every_file_of_the_package_and_no_generic_top_level_name
 def test_the_installed_package_imports_lightning_and_registers_the_strategy(venv: Path, tmp_path: Path) -> None:
     probe = (
         "import sys\n"
-        "import lightning_elastic.launcher.processes.supervisor\n"
+        "import lightning_elastic.launcher.node.supervisor\n"
         "assert 'torch' not in sys.modules, 'the supervisor imported torch'\n"
         "import lightning_elastic as le\n"
         "import lightning.pytorch as pl\n"

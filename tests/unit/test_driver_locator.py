@@ -18,7 +18,7 @@ from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
 from lightning_elastic.driver_locator import DriverLocator, parse_url
 from lightning_elastic.errors import RendezvousError
-from lightning_elastic.launcher.state_dir import StateDir
+from lightning_elastic.launcher.restart.state_dir import StateDir
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,10 +128,10 @@ def test_a_large_fleet_waiting_out_an_outage_reads_the_shared_file_a_few_hundred
 def test_a_verified_reply_resets_the_rereads(tmp_path: Path) -> None:
     """The client tells its locator when its driver answered (signed): a later outage
     starts from a re-read at once, not from the previous outage's long wait."""
-    from lightning_elastic.launcher.registry import Registry
-    from lightning_elastic.launcher.hosts import SlotKey
-    from lightning_elastic.launcher.rendezvous_server import RendezvousServer
-    from tests.unit.test_rendezvous_server import SECRET
+    from lightning_elastic.launcher.job.registry import Registry
+    from lightning_elastic.launcher.job.slots import SlotKey
+    from lightning_elastic.launcher.service.rendezvous_server import RendezvousServer
+    from tests.unit.launcher.service.test_rendezvous_server import SECRET
 
     reg = Registry()
     with reg.cond:

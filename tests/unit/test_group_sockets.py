@@ -246,8 +246,8 @@ def test_the_groups_connections_leave_out_one_another_thread_opened_during_forma
     import subprocess
     import sys
 
-    from lightning_elastic.launcher.registry import Registry
-    from lightning_elastic.launcher.rendezvous_server import RendezvousServer
+    from lightning_elastic.launcher.job.registry import Registry
+    from lightning_elastic.launcher.service.rendezvous_server import RendezvousServer
 
     secret = "cd" * 32
     service = RendezvousServer(Registry(), secret)

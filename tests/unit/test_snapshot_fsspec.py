@@ -16,8 +16,9 @@ import torch
 import lightning_elastic as le
 from lightning_elastic import snapshot_files as files
 from lightning_elastic import snapshot_fs, snapshot_store
-from lightning_elastic.launcher import cli, snapshots
-from lightning_elastic.launcher.events import EventLog
+from lightning_elastic.launcher import cli
+from lightning_elastic.launcher.restart import resume as snapshots
+from lightning_elastic.launcher.observe.events import EventLog
 from lightning_elastic.snapshot import HostSnapshot
 from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings
 from lightning_elastic.snapshot_store import ResumePlan, SnapshotInfo, SnapshotWriter

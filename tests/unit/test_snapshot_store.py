@@ -314,9 +314,9 @@ def test_a_snapshot_of_another_model_is_one_line_and_keeps_the_state(tmp_path):
 
 
 def test_the_summary_counts_every_workers_snapshots_from_heartbeats_and_final_reports():
-    from lightning_elastic.launcher import snapshots
-    from lightning_elastic.launcher.hosts import SlotKey
-    from lightning_elastic.launcher.registry import Registry
+    from lightning_elastic.launcher.restart import resume as snapshots
+    from lightning_elastic.launcher.job.slots import SlotKey
+    from lightning_elastic.launcher.job.registry import Registry
     from lightning_elastic.protocol import HeartbeatRequest, Outcome, Report
 
     reg = Registry()
@@ -330,8 +330,8 @@ def test_the_summary_counts_every_workers_snapshots_from_heartbeats_and_final_re
 
 
 def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path, caplog):
-    from lightning_elastic.launcher import snapshots
-    from lightning_elastic.launcher.events import EventLog
+    from lightning_elastic.launcher.restart import resume as snapshots
+    from lightning_elastic.launcher.observe.events import EventLog
 
     write_three(tmp_path / "s")
     (tmp_path / "s" / "snapshot-3.pt").write_bytes(b"torn")
@@ -351,8 +351,8 @@ def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path,
 
 
 def test_a_snapshot_of_another_version_or_format_is_said_in_one_line(tmp_path, caplog):
-    from lightning_elastic.launcher import snapshots
-    from lightning_elastic.launcher.events import EventLog
+    from lightning_elastic.launcher.restart import resume as snapshots
+    from lightning_elastic.launcher.observe.events import EventLog
 
     write_three(tmp_path)
     newest, previous = tmp_path / "snapshot-3.json", tmp_path / "snapshot-2.json"
