@@ -44,13 +44,13 @@ from lightning_elastic.launcher.job.history import BoundedHistory
 from lightning_elastic.launcher.job.blacklist import HostManager
 from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey, count_slots
 from lightning_elastic.launcher.hosts.network import HostClassifier, choose_driver_address, unresolved_names_message
-from lightning_elastic.launcher.job.pauses import Absences
+from lightning_elastic.launcher.job.exits import ExitFacts, ExitKind, classify_exit
+from lightning_elastic.launcher.job.liveness import Absences, WorkerClock, exit_overdue, wedged
 from lightning_elastic.launcher.processes.base import (
     HostRouter,
     WorkerLauncher,
     WorkerProcess,
     WorkerSpec,
-    describe_status,
     stop_all,
 )
 from lightning_elastic.launcher.processes.detached import DetachedLauncher
@@ -204,8 +204,6 @@ class Driver:
         self._retired: collections.deque[WorkerProcess] = collections.deque(maxlen=256)
         self._gc = ServiceGc(clock)  # no full collection while a round forms (gc_policy.py)
         self._exit_watcher: ExitWatcher | None = None  # wakes the loop at a child's exit (run())
-        self._kill_reasons: dict[str, str] = {}  # worker id -> why the driver killed it
-        self._stopping: dict[str, float] = {}  # worker id -> SIGKILL deadline
         self._target: list[SlotAssignment] = []
         self._view: membership.MembershipView | None = None  # this decision pass's snapshot
         self._announced_for: tuple[SlotKey, ...] | None = None
@@ -222,7 +220,6 @@ class Driver:
         self._prepare: Callable[[WorkerSpec], None] | None = getattr(launcher, "prepare", None)
         self._prepared: set[str] = set()
         self._pending_prepares: list[WorkerSpec] = []
-        self._failure_of: dict[str, str] = {}
         self._refused_hosts: set[str] = set()
         # The failure of a worker that exited 0 without ever reaching the rendezvous: a
         # script that does not join the job (see policy.JobView.never_joined).
@@ -234,7 +231,7 @@ class Driver:
         self._resume: snapshots.Resume | None = None  # chosen at the start of run()
         # The driver's own pauses (Ctrl-Z, a suspended machine) are nobody's silence (pauses.py).
         t = config.timeouts
-        self._absences = Absences(self._started_at, t.heartbeat_period, t.heartbeat_timeout)
+        self._absences = Absences.starting(self._started_at, t.heartbeat_period)
 
     # ----- life cycle -----------------------------------------------------------------
 
@@ -454,7 +451,7 @@ class Driver:
                 if self._stop_requested.is_set():
                     raise _Stop()
                 now = self._clock()
-                self._absences.turn(now)
+                self._turn(now)
                 if self._adoption_watch is not None:
                     self._adoption_progress(now)
                 changed = self._take_discovery()
@@ -681,10 +678,10 @@ class Driver:
                 if item.spec.log_file is not None:
                     item.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
                 started.append((item, self._launcher.start(item.spec, item.prefix)))
-                self._absences.turn(self._clock())  # busy, not away: minutes of starts are no pause
+                self._turn(self._clock())  # busy, not away: minutes of starts are no pause
             for spec in prepares:  # after the workers: a fork server no worker waits for yet
                 self._prepare(spec)  # type: ignore[misc]  # (set whenever prepares are queued)
-                self._absences.turn(self._clock())
+                self._turn(self._clock())
         except StartError as err:
             failed = err
         finally:
@@ -707,17 +704,22 @@ class Driver:
             self._exit_watcher.watch(child)
 
     def _stop_worker(self, record: WorkerRecord, why: str) -> None:
-        if record.worker_id in self._stopping or record.state.finished:
+        if record.stopping or record.state.finished:
             return
         log.info("Stopping worker %s: %s.", record.worker_id, why)
         record.leave = True
-        record.stopping = True
         self._registry.note_change()
         self._registry.wake(record)  # a rendezvous it waits in answers EXIT now
         proc = self._processes[record.worker_id]
         proc.signal(signal.SIGTERM)
         proc.signal(signal.SIGCONT)
-        self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
+        record.stop_deadline = self._clock() + self._config.timeouts.stop_grace
+
+    def _turn(self, now: float) -> None:
+        away = self._absences.turn(now)
+        if away > self._config.timeouts.heartbeat_timeout:
+            log.warning("The driver did not run for %.1f s (stopped, suspended or starved of CPU): every worker's "
+                        "heartbeat timeout starts again now.", away)
 
     def _reap(self, now: float) -> bool:
         """Record the workers that exited (and SIGKILL those past their stop deadline);
@@ -728,24 +730,23 @@ class Driver:
             proc = self._processes[record.worker_id]
             status = proc.poll()
             if status is None:
-                deadline = self._stopping.get(record.worker_id)
+                deadline = record.stop_deadline
                 if deadline is not None and now >= deadline:
                     proc.signal(signal.SIGKILL)
                 continue
             reaped = True
             record.exit_status = status
-            self._stopping.pop(record.worker_id, None)
-            in_round = reg.current_member(record)
-            outcome = outcome_of(record)
             finishing = self._finishing()
-            if outcome == p.Outcome.DONE and status == 0:
+            report = record.report
+            verdict = classify_exit(ExitFacts(
+                record.worker_id, status, proc.exit_detail(), report.outcome if report else None,
+                report.message if report else "", record.joined, record.leave, record.departing,
+                record.kill_reason, reg.current_member(record), finishing))
+            if verdict.kind is ExitKind.DONE:
                 record.state = WorkerState.DONE
                 log.info("Worker %s finished training and exited.", record.worker_id)
                 self._events.emit("worker_done", worker=record.worker_id, host=record.slot.host)
-            elif outcome == p.Outcome.REMOVED and status != 0:
-                # It left its round cleanly, then crashed on its way out: no round to break.
-                self._fail(record, status, break_round=False, blacklist=False)
-            elif outcome == p.Outcome.REMOVED:
+            elif verdict.kind is ExitKind.LEFT:
                 record.state = WorkerState.REMOVED
                 if record.departing:
                     self._tally.departures.append(f"worker {record.worker_id} left on {record.departing}")
@@ -758,16 +759,15 @@ class Driver:
                     log.info("Worker %s left the job (exit status %d).", record.worker_id, status)
                     self._events.emit("worker_left", worker=record.worker_id, host=record.slot.host,
                                       reason="removed from the job")
-            elif record.leave and not record.departing and record.worker_id not in self._kill_reasons:
-                # Told to leave (its slot was removed) or stopped by the driver: not a failure,
-                # but a member that goes before it reaches the rendezvous is lost to its round.
+            elif verdict.kind is ExitKind.STOPPED:
                 record.state = WorkerState.REMOVED
                 log.info("Worker %s left the job (exit status %d).", record.worker_id, status)
                 self._events.emit("worker_left", worker=record.worker_id, host=record.slot.host, reason="stopped")
-                if in_round and not finishing:
+                if verdict.break_round:
                     reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was stopped")  # type: ignore[union-attr]
             else:
-                self._fail(record, status, in_round and not finishing, blacklist=not finishing)
+                self._fail(record, verdict.failure, verdict.break_round, verdict.blacklist, verdict.host_failed,
+                           verdict.never_joined)
             if finishing and self._waiting.first_exit is None:
                 self._waiting.first_exit = (now, record.worker_id)
             reg.wake(record)  # its requests still waiting must end
@@ -778,34 +778,14 @@ class Driver:
         current = self._registry.round
         return current is not None and any(self._registry.workers[w].reported_done for w in current.members)
 
-    def _fail(self, record: WorkerRecord, status: int, break_round: bool, blacklist: bool = True) -> None:
+    def _fail(self, record: WorkerRecord, text: str, break_round: bool, blacklist: bool, host_failed: bool,
+              never_joined: bool) -> None:
         record.state = WorkerState.FAILED
-        proc = self._processes[record.worker_id]
-        detail = proc.exit_detail()
-        if detail:
-            how = f"was lost: {detail}"
-        elif status == 0 and not record.joined:
-            how = "exited with status 0 without ever joining the job"
-        elif status == 0:
-            how = "exited with status 0 without reporting that training returned"
-        else:
-            how = describe_status(status)
-        if record.reported_done and status != 0:
-            how += " after training returned"
-        elif outcome_of(record) == p.Outcome.REMOVED:
-            how += " after leaving the job"
-        if record.departing:
-            how += f" before it could leave on {record.departing}"
-        if record.worker_id in self._kill_reasons:
-            how += f": {self._kill_reasons[record.worker_id]}"
-        if outcome_of(record) == p.Outcome.FAILED and record.report.message:  # type: ignore[union-attr]
-            how += f" after raising {record.report.message}"
-        text = f"worker {record.worker_id} {how}"
-        if status == 0 and not record.joined and not self._never_joined:
+        if never_joined and not self._never_joined:
             self._never_joined = text
-        self._failure_of[record.worker_id] = text
+        record.failure = text
         self._tally.failures.append(text)
-        log.warning("Worker %s %s.", record.worker_id, how)
+        log.warning("%s.", text[:1].upper() + text[1:])
         self._events.emit("worker_failed", worker=record.worker_id, host=record.slot.host, reason=text)
         round_ = self._registry.round
         if break_round and round_ is not None:
@@ -816,7 +796,7 @@ class Driver:
         if not self._hosts.is_blacklisted(host):
             # A slot, or the whole host when the failure says the machine is bad (see
             # HostManager.record_failure): a sibling's death never stops healthy workers.
-            taken = self._hosts.record_failure(record.slot, host_failed=bool(detail))
+            taken = self._hosts.record_failure(record.slot, host_failed=host_failed)
             if taken.name not in self._tally.blacklisted:
                 self._tally.blacklisted.append(taken.name)
             if taken.whole_host:
@@ -832,70 +812,40 @@ class Driver:
 
     def _enforce_exit_timeout(self, now: float) -> None:
         """Training returned and a worker exited: the others get --exit-timeout to follow."""
-        if self._waiting.first_exit is None:
-            return
-        since, first = self._waiting.first_exit
-        limit = self._config.timeouts.exit
-        if self._absences.silent_for(since, now) <= limit:
+        why = exit_overdue(self._waiting.first_exit, now, self._absences, self._config.timeouts)
+        if why is None:
             return
         for record in self._registry.live_workers():
-            if record.worker_id not in self._stopping:
-                why = f"it did not exit within {limit:g} s of worker {first}"
-                self._kill_reasons[record.worker_id] = why  # counted as failed when reaped
+            if not record.stopping:
+                record.kill_reason = why  # counted as failed when reaped
                 self._stop_worker(record, why)
 
     def _kill_wedged(self, now: float) -> None:
-        t = self._config.timeouts
-        for record in self._registry.live_workers():
-            if record.worker_id in self._stopping:
+        reg = self._registry
+        current = reg.round
+        round_broken = current is not None and current.number in reg.broken_rounds
+        timeouts, absences, since = self._config.timeouts, self._absences, self._reset_pending_since
+        for record in reg.live_workers():
+            if record.stopping:
                 continue
-            if record.reported_at is not None:
-                # It said how training ended and stopped heartbeating to exit: leaving the group
-                # and ending the interpreter take seconds on a busy machine, with no heartbeat.
-                if self._absences.silent_for(record.reported_at, now) > t.exit:
-                    self._kill(record, f"it reported {record.report.outcome.value} but did not exit "  # type: ignore[union-attr]
-                                       f"within {t.exit:g} s")
-            elif record.last_heartbeat is None:
-                if now - record.started_at > t.worker_arrival:
-                    self._kill(record, f"it did not reach the rendezvous within {t.worker_arrival:g} s")
-            elif self._late_for_rendezvous(record, now):
-                self._kill(record, f"it did not come back to the rendezvous within {t.worker_arrival:g} s of the reset")
-            elif self._absences.silent_for(record.last_heartbeat, now) > t.heartbeat_timeout:
-                self._kill(record, f"it sent no heartbeat for {t.heartbeat_timeout:g} s (hung, stopped or unreachable)")
+            report = record.report
+            why = wedged(WorkerClock(record.started_at, record.last_heartbeat, record.reported_at,
+                                     report.outcome.value if report else "", record.state is WorkerState.MEMBER),
+                         now, absences, timeouts, since, round_broken)
+            if why is not None:
+                self._kill(record, why)
 
     def _kill(self, record: WorkerRecord, why: str) -> None:
         """SIGKILL a wedged worker: its peers then fail promptly instead of at a timeout."""
         log.warning("Killing worker %s: %s.", record.worker_id, why)
-        self._kill_reasons[record.worker_id] = why
-        record.stopping = True
+        record.kill_reason = why
         self._registry.note_change()
         self._processes[record.worker_id].signal(signal.SIGKILL)
-        self._stopping[record.worker_id] = self._clock() + self._config.timeouts.stop_grace
+        record.stop_deadline = self._clock() + self._config.timeouts.stop_grace
         reg = self._registry
         if reg.current_member(record) and not self._finishing():
             # Its peers learn at once, not when the kill has been reaped.
             reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was killed: {why}")  # type: ignore[union-attr]
-
-    def _late_for_rendezvous(self, record: WorkerRecord, now: float) -> bool:
-        """A member still away from the rendezvous long after its round lost a member.
-
-        Heartbeats prove the process is alive, not that it will ever come back (a loop
-        with no collective never notices a broken round): bound that wait too. Not after
-        a host change announced to a healthy round: a member comes back at its next check
-        of host updates, which may be a long validation pass or an epoch away; while it
-        heartbeats it is training, and killing it would throw away the live state and
-        blacklist a healthy host. (Its peers wait in the same collective check, so the
-        round re-forms when it comes.)
-        """
-        since = self._reset_pending_since
-        current = self._registry.round
-        return (
-            since is not None
-            and current is not None
-            and current.number in self._registry.broken_rounds
-            and record.state == WorkerState.MEMBER
-            and now - since > self._config.timeouts.worker_arrival
-        )
 
     # ----- --state-dir ----------------------------------------------------------------
 
@@ -988,7 +938,7 @@ class Driver:
         if reg.round is not None:
             members = tuple(
                 policy.MemberView(
-                    w, reg.workers[w].state, self._failure_of.get(w, ""), reg.workers[w].reported_done
+                    w, reg.workers[w].state, reg.workers[w].failure, reg.workers[w].reported_done
                 )
                 for w in reg.round.members
             )
@@ -1138,8 +1088,6 @@ class Driver:
             proc = self._processes.pop(worker_id, None)
             if proc is not None:
                 self._retired.append(proc)
-            self._kill_reasons.pop(worker_id, None)
-            self._failure_of.pop(worker_id, None)
         self._invalidate_view()
         self._tally.rounds.append(len(members))
         self._announced_for = None

@@ -102,7 +102,10 @@ class WorkerRecord:
     reported_at: float | None = None
     leave: bool = False  # answer EXIT at its next rendezvous
     departing: str = ""  # why it asked to leave (a preemption notice): its slot is vacant
-    stopping: bool = False  # the driver is stopping it (SIGTERM, then SIGKILL)
+    # The driver is stopping it (SIGTERM, or SIGKILL for a wedged one): SIGKILL at this time.
+    stop_deadline: float | None = None
+    kill_reason: str = ""  # why the driver killed or stopped it: part of its failure
+    failure: str = ""  # how it failed ("worker ID <how>"), once it has
     standby: bool = False  # a hot spare (--spares): waits at the rendezvous, in no round
     joined: bool = False  # has reached the rendezvous at least once (le.init() ran)
     exit_status: int | None = None
@@ -110,6 +113,10 @@ class WorkerRecord:
     snapshots: tuple[int, int, str] = (0, 0, "")
     # Its pending requests wait on this: fired when their answers may have changed.
     wake: Signal = dataclasses.field(default_factory=Signal, repr=False, compare=False)
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_deadline is not None
 
     @property
     def reported_done(self) -> bool:

@@ -124,14 +124,3 @@ def stop_all(processes: Sequence[WorkerProcess], grace: float) -> None:
             p.wait(max(0.0, deadline - time.monotonic()))
     for p in processes:
         p.finish_output()
-
-
-def describe_status(status: int) -> str:
-    """``exited with status 3`` / ``was killed by SIGKILL``, for failure messages."""
-    if status < 0:
-        try:
-            return f"was killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"was killed by signal {-status}"
-    return f"exited with status {status}"
-

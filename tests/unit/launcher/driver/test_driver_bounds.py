@@ -13,7 +13,7 @@ from lightning_elastic.launcher.config import LaunchConfig, Timeouts
 from lightning_elastic.launcher.hosts.discovery import FixedHosts
 from lightning_elastic.launcher.driver.driver import REFUSED_HOSTS_KEPT, Driver
 from lightning_elastic.launcher.job.slots import HostSlots, SlotKey
-from lightning_elastic.launcher.job.pauses import Absences
+from lightning_elastic.launcher.job.liveness import Absences
 from tests.unit.launcher.driver.test_driver_spawn import IdleProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,13 +55,13 @@ def test_a_worker_that_reported_the_end_of_training_is_given_the_exit_timeout_no
         driver._kill_wedged(clock.now)  # noqa: SLF001
     assert processes["a"].code is None  # reported: exiting, not wedged
     assert processes["b"].code == -signal.SIGKILL  # still training and silent: wedged
-    assert "no heartbeat for 4 s" in driver._kill_reasons["b"]  # noqa: SLF001
+    assert "no heartbeat for 4 s" in driver._registry.workers["b"].kill_reason  # noqa: SLF001
 
     clock.now += 21.0  # 31 s after its report: past --exit-timeout
     with driver._registry.cond:  # noqa: SLF001
         driver._kill_wedged(clock.now)  # noqa: SLF001
     assert processes["a"].code == -signal.SIGKILL
-    assert driver._kill_reasons["a"] == "it reported done but did not exit within 30 s"  # noqa: SLF001
+    assert driver._registry.workers["a"].kill_reason == "it reported done but did not exit within 30 s"  # noqa: SLF001
 
 
 def test_the_hosts_said_to_be_ignored_are_remembered_boundedly(caplog) -> None:
@@ -103,7 +103,7 @@ def test_the_drivers_own_absence_is_no_workers_silence() -> None:
 
 
 def test_absences_count_only_gaps_longer_than_the_limit() -> None:
-    absences = Absences(0.0, longer_than=1.0, warn_longer_than=10.0)
+    absences = Absences.starting(0.0, longer_than=1.0)
     absences.turn(0.9)
     absences.turn(1.8)
     assert absences.back_at == 0.0 and absences.silent_for(0.5, 1.8) == pytest.approx(1.3)

@@ -744,7 +744,7 @@ def test_leave_is_refused_when_the_driver_stops_the_worker_or_training_is_over(r
     if why == "closing":
         reg.closing = True
     elif why == "stopping":
-        w0.stopping = True
+        w0.stop_deadline = 0.0
     else:
         reg.report(Report("w0", 1, Outcome.DONE))
     assert reg.leave(LeaveRequest("w0", "SIGTERM")) == LeaveReply(False)
