@@ -59,7 +59,8 @@ from lightning_elastic.launcher.processes.local import LocalLauncher
 from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
 from lightning_elastic.launcher.processes.warm_start import WarmStarts
-from lightning_elastic.launcher.job.registry import Registry, WorkerRecord, WorkerState, outcome_of
+from lightning_elastic.launcher.job.state import JobState, WorkerRecord, WorkerState
+from lightning_elastic.launcher.service.registry import Registry, outcome_of
 from lightning_elastic.launcher.service.rendezvous_server import RendezvousServer, limits_for, listen_queue_for
 from lightning_elastic.launcher.restart.state_dir import StateDir, WorkerEntry
 from lightning_elastic import protocol as p
@@ -188,14 +189,13 @@ class Driver:
         self._address = "127.0.0.1"  # where workers reach the driver; chosen from the first hosts
         self._discovery = DiscoveryPoller(discovery, config.discovery_interval, config.timeouts.discovery,
                                           prepare=self._look_up)
-        self._hosts = HostManager(config.blacklist_cooldown, clock)
-        self._registry = Registry(clock, config.repeated_error_limit)
+        # The job's one state, guarded by the registry's lock (see job/state.py).
+        self._state = JobState(hosts=HostManager(config.blacklist_cooldown, clock))
+        self._registry = Registry(clock, config.repeated_error_limit, self._state)
         # --state-dir: the job's state kept for a restarted driver, and the job it adopts.
         self._keeping = keeping
         self._adopting = keeping is not None and keeping.previous is not None
         self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
-        self._tally = adoption.Tally()  # what the summary counts: carried across restarts
-        self._waiting = adoption.Waiting()  # hot spares, preempted slots' holds, the exit timeout
         self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
         self._save_pacing = adoption.SavePacing()
         self._server: RendezvousServer | None = None
@@ -204,14 +204,8 @@ class Driver:
         self._retired: collections.deque[WorkerProcess] = collections.deque(maxlen=256)
         self._gc = ServiceGc(clock)  # no full collection while a round forms (gc_policy.py)
         self._exit_watcher: ExitWatcher | None = None  # wakes the loop at a child's exit (run())
-        self._target: list[SlotAssignment] = []
         self._view: membership.MembershipView | None = None  # this decision pass's snapshot
-        self._announced_for: tuple[SlotKey, ...] | None = None
-        self._reset_pending_since: float | None = None  # members were asked to re-rendezvous
         self._discovery_seq = 0
-        self._discovery_error: str | None = None
-        self._below_since: float | None = None
-        self._short_of_slots_said_at = 0.0  # when the last "waiting for slots" line was logged
         # A fixed host list never grows; with no cooldown a blacklisted host never returns.
         self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
         self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
@@ -221,15 +215,12 @@ class Driver:
         self._prepared: set[str] = set()
         self._pending_prepares: list[WorkerSpec] = []
         self._refused_hosts: set[str] = set()
-        # The failure of a worker that exited 0 without ever reaching the rendezvous: a
-        # script that does not join the job (see policy.JobView.never_joined).
-        self._never_joined = ""
         self._stop_requested = threading.Event()
         self._stop_signal = ""
         self._handed_over = False  # SIGTERM with --state-dir: the job is left to the next driver
         self._started_at = clock()
         self._resume: snapshots.Resume | None = None  # chosen at the start of run()
-        # The driver's own pauses (Ctrl-Z, a suspended machine) are nobody's silence (pauses.py).
+        # The driver's own pauses (Ctrl-Z, a suspended machine) are nobody's silence (job/liveness.py).
         t = config.timeouts
         self._absences = Absences.starting(self._started_at, t.heartbeat_period)
 
@@ -275,7 +266,7 @@ class Driver:
             if self._keeping is not None:
                 self._keeping.writer.start()
             with self._registry.cond:
-                self._hosts.update(usable)
+                self._state.hosts.update(usable)
                 self._events.emit("hosts_changed", added=[h.host for h in usable], removed=[])
             verdict = self._loop()
         except ConfigError as err:
@@ -380,7 +371,7 @@ class Driver:
             self._hand_over()
             return
         with self._registry.cond:
-            self._registry.closing = True  # a SIGTERM from stop_all below means "exit now"
+            self._registry.state.closing = True  # a SIGTERM from stop_all below means "exit now"
             self._registry.wake_all()
         self._discovery.close()
         if self._adopting and self._server is None:
@@ -412,19 +403,19 @@ class Driver:
         return JobResult(
             success=verdict.success,
             reason=verdict.reason,
-            rounds=tuple(self._tally.rounds),
-            rounds_omitted=self._tally.rounds.omitted,
-            failures=tuple(self._tally.failures),
-            failures_omitted=self._tally.failures.omitted,
-            blacklisted=tuple(self._tally.blacklisted),
+            rounds=tuple(self._state.tally.rounds),
+            rounds_omitted=self._state.tally.rounds.omitted,
+            failures=tuple(self._state.tally.failures),
+            failures_omitted=self._state.tally.failures.omitted,
+            blacklisted=tuple(self._state.tally.blacklisted),
             duration=self._clock() - self._started_at,
             rejected_requests=self._server.rejected if self._server else 0,
-            departures=tuple(self._tally.departures),
-            departures_omitted=self._tally.departures.omitted,
+            departures=tuple(self._state.tally.departures),
+            departures_omitted=self._state.tally.departures.omitted,
             refused=refused,
             resumed_from=str(self._resume.found.path) if self._resume and self._resume.found else "",
-            snapshots=snapshots.totals(self._registry.workers.values()) if self._config.snapshots else None,
-            outages=tuple(self._tally.outages),
+            snapshots=snapshots.totals(self._registry.state.workers.values()) if self._config.snapshots else None,
+            outages=tuple(self._state.tally.outages),
             handed_over=self._handed_over,
         )
 
@@ -455,7 +446,7 @@ class Driver:
                 if self._adoption_watch is not None:
                     self._adoption_progress(now)
                 changed = self._take_discovery()
-                changed = bool(self._hosts.tick()) or changed
+                changed = bool(self._state.hosts.tick()) or changed
                 changed = self._reap(now) or changed
                 if changed or reg.changes != seen or (now >= next_pass and self._timers_pending(now)):
                     dirty = changed or reg.changes != seen
@@ -488,10 +479,10 @@ class Driver:
     def _timers_pending(self, now: float) -> bool:
         """Does a decision depend on time alone now (the elastic timeout while slots are
         missing, a preempted slot's hold or its end)? Otherwise an unchanged job needs none."""
-        ended = [slot for slot, until in self._waiting.held_until.items() if until <= now]
+        ended = [slot for slot, until in self._state.held_until.items() if until <= now]
         for slot in ended:
-            del self._waiting.held_until[slot]
-        return self._below_since is not None or bool(self._waiting.held_until) or bool(ended)
+            del self._state.held_until[slot]
+        return self._state.below_since is not None or bool(self._state.held_until) or bool(ended)
 
     def _decide(self, now: float) -> policy.Verdict | None:
         reg = self._registry
@@ -505,10 +496,10 @@ class Driver:
             verdict = self._maybe_form_round()
         if verdict is None:
             self._prepare_hosts()
-        self._events.observe(reg.breaks, reg.first_steps, reg.round.number if reg.round else 0)
+        self._events.observe(reg.state.breaks, reg.state.first_steps, reg.state.round.number if reg.state.round else 0)
         if verdict is None:
             reg.await_arrivals(*membership.awaited_arrivals(self._membership_view()))
-        if self._reset_pending_since is not None:
+        if self._state.reset_pending_since is not None:
             self._gc.reforming()  # no collection while the members come back (gc_policy.py)
         return verdict
 
@@ -519,12 +510,12 @@ class Driver:
         if latest is None or latest.sequence == self._discovery_seq:
             return False
         self._discovery_seq = latest.sequence
-        error_changed = latest.error != self._discovery_error
-        self._discovery_error = latest.error
+        error_changed = latest.error != self._state.discovery_error
+        self._state.discovery_error = latest.error
         if latest.hosts is None:
             return error_changed
         usable = [h for h in latest.hosts if self._reachable(h.host)]
-        change = self._hosts.update(usable)
+        change = self._state.hosts.update(usable)
         if change:
             log.info(
                 "Hosts changed: added %s, removed %s, resized %s.",
@@ -582,8 +573,8 @@ class Driver:
     # ----- workers --------------------------------------------------------------------
 
     def _spawn(self, slot: SlotAssignment) -> None:
-        number = self._tally.next_worker
-        self._tally.next_worker += 1
+        number = self._state.tally.next_worker
+        self._state.tally.next_worker += 1
         worker_id = f"{slot.slot}#{number}"
         record = self._registry.add_worker(worker_id, slot.slot)
         assert self._server is not None
@@ -646,7 +637,7 @@ class Driver:
         as workers are; once per host while it stays listed."""
         if self._prepare is None:
             return
-        available = {h.host for h in self._hosts.available()}
+        available = {h.host for h in self._state.hosts.available()}
         self._prepared &= available  # bounded by the hosts listed now; one that comes back is prepared again
         new = sorted(available - self._prepared)
         if not new:
@@ -749,8 +740,8 @@ class Driver:
             elif verdict.kind is ExitKind.LEFT:
                 record.state = WorkerState.REMOVED
                 if record.departing:
-                    self._tally.departures.append(f"worker {record.worker_id} left on {record.departing}")
-                    self._waiting.held_until[record.slot] = now + self._config.timeouts.preemption_grace
+                    self._state.tally.departures.append(f"worker {record.worker_id} left on {record.departing}")
+                    self._state.held_until[record.slot] = now + self._config.timeouts.preemption_grace
                     log.info("Worker %s left the job on %s; host %s stays usable.",
                              record.worker_id, record.departing, record.slot.host)
                     self._events.emit("worker_left", worker=record.worker_id, host=record.slot.host,
@@ -764,41 +755,41 @@ class Driver:
                 log.info("Worker %s left the job (exit status %d).", record.worker_id, status)
                 self._events.emit("worker_left", worker=record.worker_id, host=record.slot.host, reason="stopped")
                 if verdict.break_round:
-                    reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was stopped")  # type: ignore[union-attr]
+                    reg.mark_round_broken(reg.state.round.number, f"worker {record.worker_id} was stopped")  # type: ignore[union-attr]
             else:
                 self._fail(record, verdict.failure, verdict.break_round, verdict.blacklist, verdict.host_failed,
                            verdict.never_joined)
-            if finishing and self._waiting.first_exit is None:
-                self._waiting.first_exit = (now, record.worker_id)
+            if finishing and self._state.first_exit is None:
+                self._state.first_exit = (now, record.worker_id)
             reg.wake(record)  # its requests still waiting must end
         return reaped
 
     def _finishing(self) -> bool:
         """Has training returned in the current round (some member reported DONE)?"""
-        current = self._registry.round
-        return current is not None and any(self._registry.workers[w].reported_done for w in current.members)
+        current = self._registry.state.round
+        return current is not None and any(self._registry.state.workers[w].reported_done for w in current.members)
 
     def _fail(self, record: WorkerRecord, text: str, break_round: bool, blacklist: bool, host_failed: bool,
               never_joined: bool) -> None:
         record.state = WorkerState.FAILED
-        if never_joined and not self._never_joined:
-            self._never_joined = text
+        if never_joined and not self._state.never_joined:
+            self._state.never_joined = text
         record.failure = text
-        self._tally.failures.append(text)
+        self._state.tally.failures.append(text)
         log.warning("%s.", text[:1].upper() + text[1:])
         self._events.emit("worker_failed", worker=record.worker_id, host=record.slot.host, reason=text)
-        round_ = self._registry.round
+        round_ = self._registry.state.round
         if break_round and round_ is not None:
             self._registry.mark_round_broken(round_.number, text)
         host = record.slot.host
         if not blacklist:
             return  # training is over: nothing more to run on any host
-        if not self._hosts.is_blacklisted(host):
+        if not self._state.hosts.is_blacklisted(host):
             # A slot, or the whole host when the failure says the machine is bad (see
             # HostManager.record_failure): a sibling's death never stops healthy workers.
-            taken = self._hosts.record_failure(record.slot, host_failed=host_failed)
-            if taken.name not in self._tally.blacklisted:
-                self._tally.blacklisted.append(taken.name)
+            taken = self._state.hosts.record_failure(record.slot, host_failed=host_failed)
+            if taken.name not in self._state.tally.blacklisted:
+                self._state.tally.blacklisted.append(taken.name)
             if taken.whole_host:
                 self._events.emit("host_blacklisted", host=host, reason=text)
                 log.warning("Blacklisted host %s %s: %s.", host, taken.describe(), taken.why)
@@ -812,7 +803,7 @@ class Driver:
 
     def _enforce_exit_timeout(self, now: float) -> None:
         """Training returned and a worker exited: the others get --exit-timeout to follow."""
-        why = exit_overdue(self._waiting.first_exit, now, self._absences, self._config.timeouts)
+        why = exit_overdue(self._state.first_exit, now, self._absences, self._config.timeouts)
         if why is None:
             return
         for record in self._registry.live_workers():
@@ -822,9 +813,9 @@ class Driver:
 
     def _kill_wedged(self, now: float) -> None:
         reg = self._registry
-        current = reg.round
-        round_broken = current is not None and current.number in reg.broken_rounds
-        timeouts, absences, since = self._config.timeouts, self._absences, self._reset_pending_since
+        current = reg.state.round
+        round_broken = current is not None and current.number in reg.state.broken_rounds
+        timeouts, absences, since = self._config.timeouts, self._absences, self._state.reset_pending_since
         for record in reg.live_workers():
             if record.stopping:
                 continue
@@ -845,7 +836,7 @@ class Driver:
         reg = self._registry
         if reg.current_member(record) and not self._finishing():
             # Its peers learn at once, not when the kill has been reaped.
-            reg.mark_round_broken(reg.round.number, f"worker {record.worker_id} was killed: {why}")  # type: ignore[union-attr]
+            reg.mark_round_broken(reg.state.round.number, f"worker {record.worker_id} was killed: {why}")  # type: ignore[union-attr]
 
     # ----- --state-dir ----------------------------------------------------------------
 
@@ -853,8 +844,8 @@ class Driver:
         """Save what decision passes changed, paced by the save's cost (``SavePacing``)."""
         if self._keeping is None:
             return
-        current = self._registry.round
-        key = (current.number if current else 0, self._registry.generation)
+        current = self._registry.state.round
+        key = (current.number if current else 0, self._registry.state.generation)
         if self._save_pacing.due(now, key):
             started = time.perf_counter()
             self._save_state()
@@ -867,9 +858,9 @@ class Driver:
             return
         # Read under the lock (references only), built and written by the writer thread.
         self._keeping.writer.submit(adoption.snapshot(
-            self._address, self._server.port, self._registry, self._processes, self._target,
-            self._announced_for is not None, self._hosts, self._tally.counters(),
-            self._waiting.waits(), self._clock()).state)
+            self._address, self._server.port, self._registry, self._processes, self._state.target,
+            self._state.announced_for is not None, self._state.hosts, adoption.counters_of(self._state.tally),
+            adoption.waits_of(self._state), self._clock()).state)
 
     def _adopt_address(self) -> None:
         """Serve where the previous driver did, if this machine has its address."""
@@ -894,30 +885,32 @@ class Driver:
         state = keeping.previous
         started = time.perf_counter()
         with self._registry.cond:
-            restored = adoption.restore(state, self._registry, self._hosts, keeping.adopt, _prefix_of,  # type: ignore[arg-type]
+            restored = adoption.restore(state, self._registry, self._state.hosts, keeping.adopt, _prefix_of,  # type: ignore[arg-type]
                                         self._clock())
-            current = self._registry.round
+            current = self._registry.state.round
             # What is on disk is what was just restored: the next save waits its window (as
             # after a save as costly), not the adopted fleet's first requests, the service's
             # busiest moment after a restart.
-            self._save_pacing.saved(self._clock(), (current.number if current else 0, self._registry.generation),
+            self._save_pacing.saved(self._clock(), (current.number if current else 0, self._registry.state.generation),
                                     time.perf_counter() - started)
         self._processes.update(restored.processes)
         # What the previous driver was waiting out: spares stay spares, a preempted slot
         # keeps the rest of its hold, the workers after training returned the rest of
         # their --exit-timeout.
-        self._waiting = adoption.Waiting.of(restored.waits)
-        self._target = restored.target
-        self._announced_for = membership.slots_of(self._target) if state.announced else None
-        self._tally = adoption.Tally.of(state)
+        waits = restored.waits
+        self._state.standby, self._state.held_until, self._state.first_exit = (
+            waits.standby, dict(waits.held_until), waits.first_exit)
+        self._state.target = restored.target
+        self._state.announced_for = membership.slots_of(self._state.target) if state.announced else None
+        self._state.tally = adoption.tally_of(state)
         round_number = state.round.number if state.round else 0
         line = (f"driver restarted after {keeping.outage:.1f} s without one: adopted {restored.adopted} "
                 f"worker(s) in round {round_number}"
                 + (f"; {restored.ended} ended while no driver ran" if restored.ended else ""))
-        self._tally.outages.append(line)
+        self._state.tally.outages.append(line)
         log.info("Adopting the job in %s: %s.", keeping.dir.path, line)
         self._adoption_watch = adoption.AdoptionWatch(
-            [self._registry.workers[w] for w, proc in restored.processes.items() if proc.poll() is None],
+            [self._registry.state.workers[w] for w, proc in restored.processes.items() if proc.poll() is None],
             self._clock(), self._started_at)
         self._events.resume(round_number)
         self._events.emit("driver_restarted", outage_s=round(keeping.outage, 3), adopted=restored.adopted,
@@ -935,45 +928,45 @@ class Driver:
     def _verdict(self, now: float) -> policy.Verdict | None:
         reg = self._registry
         members = ()
-        if reg.round is not None:
+        if reg.state.round is not None:
             members = tuple(
                 policy.MemberView(
-                    w, reg.workers[w].state, reg.workers[w].failure, reg.workers[w].reported_done
+                    w, reg.state.workers[w].state, reg.state.workers[w].failure, reg.state.workers[w].reported_done
                 )
-                for w in reg.round.members
+                for w in reg.state.round.members
             )
-        hosts = self._hosts.available()
+        hosts = self._state.hosts.available()
         vacant = membership.vacant_slots(self._membership_view())
         slots_of_host = {h.host: h.slots for h in hosts}
         available = count_slots(hosts) - sum(s.local_rank < slots_of_host.get(s.host, 0) for s in vacant)
         required = self._required_slots()
         if available < required:
-            if self._below_since is None:
-                self._below_since = now
-            if now - self._short_of_slots_said_at >= self._config.timeouts.progress_every:
+            if self._state.below_since is None:
+                self._state.below_since = now
+            if now - self._state.short_of_slots_said_at >= self._config.timeouts.progress_every:
                 # Every few seconds, not once: a wait of minutes must not look like a hang.
-                self._short_of_slots_said_at = now
-                left = self._config.elastic_timeout - (now - self._below_since)
+                self._state.short_of_slots_said_at = now
+                left = self._config.elastic_timeout - (now - self._state.below_since)
                 log.warning("Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them.",
                             required, available, listing(hosts, lambda h: f"{h.host}:{h.slots}") or "no host", left)
         else:
-            self._below_since = None
-            self._short_of_slots_said_at = 0.0
+            self._state.below_since = None
+            self._state.short_of_slots_said_at = 0.0
         view = policy.JobView(
-            round_number=reg.round.number if reg.round else 0,
+            round_number=reg.state.round.number if reg.state.round else 0,
             members=members,
             live_workers=len(reg.live_workers()),
-            blacklisted_hosts=self._hosts.all_blacklisted_hosts(),
+            blacklisted_hosts=self._state.hosts.all_blacklisted_hosts(),
             required_slots=required,
             available_slots=available,
-            below_required_for=None if self._below_since is None else now - self._below_since,
-            discovery_error=self._discovery_error,
-            last_failure=self._tally.failures.last or "",
-            repeated_error=reg.repeated_error,
-            slots_can_grow=(available >= required or not self._fixed_hosts or bool(self._waiting.held_until)
+            below_required_for=None if self._state.below_since is None else now - self._state.below_since,
+            discovery_error=self._state.discovery_error,
+            last_failure=self._state.tally.failures.last or "",
+            repeated_error=reg.state.repeated_error,
+            slots_can_grow=(available >= required or not self._fixed_hosts or bool(self._state.held_until)
                             or self._members_training()),
-            blacklisted=tuple(self._tally.blacklisted),
-            never_joined=self._never_joined if self._never_joined and not self._anyone_joined() else "",
+            blacklisted=tuple(self._state.tally.blacklisted),
+            never_joined=self._state.never_joined if self._state.never_joined and not self._anyone_joined() else "",
         )
         return policy.decide_verdict(view, self._config.elastic_timeout)
 
@@ -985,10 +978,10 @@ class Driver:
     def _anyone_joined(self) -> bool:
         """Has any worker of the job reached the rendezvous (O(N): asked after a worker that
         never joined exited, not every pass)?"""
-        return bool(self._tally.rounds) or any(w.joined for w in self._registry.workers.values())
+        return bool(self._state.tally.rounds) or any(w.joined for w in self._registry.state.workers.values())
 
     def _required_slots(self) -> int:
-        return self._config.min_np if self._registry.round is not None else self._config.np
+        return self._config.min_np if self._registry.state.round is not None else self._config.np
 
     def _membership_view(self) -> membership.MembershipView:
         """The snapshot this decision pass decides on: built once per pass (it is O(N)),
@@ -1009,26 +1002,26 @@ class Driver:
                 record.arrived_after_round,
             )
 
-        current = reg.round
+        current = reg.state.round
         return membership.MembershipView(
-            hosts=tuple(self._hosts.available()),
+            hosts=tuple(self._state.hosts.available()),
             max_np=self._config.max_np,
             workers=tuple(view_of(w) for w in reg.live_workers()),
-            target=tuple(self._target),
+            target=tuple(self._state.target),
             round_number=current.number if current else 0,
-            round_members=tuple(view_of(reg.workers[w]) for w in current.members) if current else (),
-            round_broken=current is not None and current.number in reg.broken_rounds,
-            announced_for=self._announced_for,
+            round_members=tuple(view_of(reg.state.workers[w]) for w in current.members) if current else (),
+            round_broken=current is not None and current.number in reg.state.broken_rounds,
+            announced_for=self._state.announced_for,
             required_slots=self._required_slots(),
-            held=frozenset(slot for slot, until in self._waiting.held_until.items() if self._clock() < until)
-            | self._hosts.blacklisted_slots(),
+            held=frozenset(slot for slot, until in self._state.held_until.items() if self._clock() < until)
+            | self._state.hosts.blacklisted_slots(),
             spares=self._config.spares,
-            standby=self._waiting.standby,
+            standby=self._state.standby,
         )
 
     def _plan(self) -> policy.Verdict | None:
         view = self._membership_view()
-        if self._below_since is not None and not membership.vacant_slots(view):
+        if self._state.below_since is not None and not membership.vacant_slots(view):
             return None  # wait for hosts; the elastic timeout bounds this
         if self._finishing():
             return None  # training has returned in this round: no new round, only exits to await
@@ -1040,26 +1033,26 @@ class Driver:
             self._apply(new)
             self._invalidate_view()
             view = self._membership_view()
-        if view.round_broken and self._reset_pending_since is None:
-            self._reset_pending_since = self._clock()
+        if view.round_broken and self._state.reset_pending_since is None:
+            self._state.reset_pending_since = self._clock()
         if membership.announcement_due(view):
             generation = self._registry.bump_generation()
-            self._announced_for = membership.slots_of(self._target)
+            self._state.announced_for = membership.slots_of(self._state.target)
             self._invalidate_view()
-            self._reset_pending_since = self._clock()
+            self._state.reset_pending_since = self._clock()
             log.info("Announced host change to the workers of round %d (generation %d).", view.round_number, generation)
             self._events.host_change_announced(view.round_number, generation)
         return None
 
     def _apply(self, new: membership.Plan) -> None:
         reg = self._registry
-        self._target = list(new.target)
-        self._waiting.standby = new.standby
+        self._state.target = list(new.target)
+        self._state.standby = new.standby
         log.info("Target world: %d slot(s): %s%s.", len(new.target), listing(new.target, lambda a: str(a.slot)),
                  f"; standby: {listing(new.standby)}" if new.standby else "")
         for worker_id in new.leave:
-            reg.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
-            reg.wake(reg.workers[worker_id])
+            reg.state.workers[worker_id].leave = True  # answered EXIT at its next rendezvous
+            reg.wake(reg.state.workers[worker_id])
         standby = set(new.standby)
         for record in reg.live_workers():
             record.standby = record.slot in standby
@@ -1075,12 +1068,12 @@ class Driver:
         chosen = membership.round_to_form(view)
         if chosen is None:
             return None
-        if reg.round is not None:
-            verdict = policy.check_reset_limit(self._tally.rounds.total - 1, self._config.reset_limit)
+        if reg.state.round is not None:
+            verdict = policy.check_reset_limit(self._state.tally.rounds.total - 1, self._config.reset_limit)
             if verdict is not None:
                 return verdict
         assert self._server is not None
-        members = [(reg.workers[worker_id], a) for worker_id, a in chosen]
+        members = [(reg.state.workers[worker_id], a) for worker_id, a in chosen]
         info = reg.form_round(members, (self._address, self._server.port))
         self._gc.round_formed()
         for worker_id in reg.forget_finished({r.worker_id for r, _ in members}):
@@ -1089,9 +1082,9 @@ class Driver:
             if proc is not None:
                 self._retired.append(proc)
         self._invalidate_view()
-        self._tally.rounds.append(len(members))
-        self._announced_for = None
-        self._reset_pending_since = None
+        self._state.tally.rounds.append(len(members))
+        self._state.announced_for = None
+        self._state.reset_pending_since = None
         later = len(view.target) - len(members)
         log.info(
             "Round %d formed with %d worker(s): %s%s.",

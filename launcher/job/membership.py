@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from lightning_elastic.launcher.job import verdict as policy
 from lightning_elastic.launcher.job.slots import HostSlots, SlotAssignment, SlotKey, assign_ranks, assign_slots
-from lightning_elastic.launcher.job.registry import WorkerState
+from lightning_elastic.launcher.job.state import WorkerState
 
 
 class WorkerView(NamedTuple):

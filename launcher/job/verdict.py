@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from lightning_elastic.launcher.job.registry import WorkerState
+from lightning_elastic.launcher.job.state import WorkerState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from typing import Any
 
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.observe.line_file import BackgroundLineFile
-from lightning_elastic.launcher.job.registry import ROUNDS_KEPT
+from lightning_elastic.launcher.job.state import ROUNDS_KEPT
 
 FILE_NAME = "events.jsonl"
 # What one job writes to its --log-dir (timeline.png is `lightning-elastic timeline`'s default).

@@ -21,12 +21,13 @@ from lightning_elastic.launcher.job.history import BoundedHistory
 from lightning_elastic.launcher.job.blacklist import HostManager
 from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
 from lightning_elastic.launcher.processes.base import WorkerProcess
-from lightning_elastic.launcher.job.registry import Registry, RoundInfo, WorkerRecord, WorkerState
+from lightning_elastic.launcher.job.state import JobState, RoundInfo, Tally, WorkerRecord, WorkerState
+from lightning_elastic.launcher.service.registry import Registry
 from lightning_elastic.launcher.restart.state_dir import (
     BlacklistEntry,
     FirstExitEntry,
     HoldEntry,
-    JobState,
+    SavedState,
     RoundEntry,
     StateDir,
     StateWriter,
@@ -52,30 +53,22 @@ class Counters:
     departures_omitted: int = 0
 
 
-@dataclasses.dataclass
-class Tally:
-    """What the job summary counts, as the driver keeps it (the decision loop's alone, under
-    its lock): one structure, so that what a restart carries over (``counters``, ``of``)
-    is not a list of the driver's fields to keep in step."""
+def counters_of(tally: Tally) -> Counters:
+    return Counters(tally.next_worker, tuple(tally.rounds), tuple(tally.failures), tuple(tally.blacklisted),
+                    tuple(tally.departures), tuple(tally.outages), tally.rounds.omitted, tally.failures.omitted,
+                    tally.departures.omitted)
 
-    next_worker: int = 0  # the next worker's number (ids are never reused)
-    rounds: BoundedHistory[int] = dataclasses.field(default_factory=BoundedHistory)  # each round's world size
-    failures: BoundedHistory[str] = dataclasses.field(default_factory=BoundedHistory)
-    blacklisted: list[str] = dataclasses.field(default_factory=list)  # hosts, in order
-    departures: BoundedHistory[str] = dataclasses.field(default_factory=BoundedHistory)
-    outages: list[str] = dataclasses.field(default_factory=list)  # one line per driver restart
 
-    def counters(self) -> Counters:
-        return Counters(self.next_worker, tuple(self.rounds), tuple(self.failures), tuple(self.blacklisted),
-                        tuple(self.departures), tuple(self.outages), self.rounds.omitted, self.failures.omitted,
-                        self.departures.omitted)
+def tally_of(saved: SavedState) -> Tally:
+    """The previous driver's counts, from its saved state (what it kept of each history)."""
+    return Tally(max(saved.next_worker, saved.reserved_worker), BoundedHistory.of(saved.rounds, saved.rounds_omitted),
+                 BoundedHistory.of(saved.failures, saved.failures_omitted), list(saved.blacklisted),
+                 BoundedHistory.of(saved.departures, saved.departures_omitted), list(saved.outages))
 
-    @classmethod
-    def of(cls, state: JobState) -> Tally:
-        """The previous driver's, from its saved state (what it kept of each history)."""
-        return cls(max(state.next_worker, state.reserved_worker), BoundedHistory.of(state.rounds, state.rounds_omitted),
-                   BoundedHistory.of(state.failures, state.failures_omitted), list(state.blacklisted),
-                   BoundedHistory.of(state.departures, state.departures_omitted), list(state.outages))
+
+def waits_of(state: JobState) -> Waits:
+    """What the driver is waiting out, as a save carries it."""
+    return Waits(state.standby, tuple(state.held_until.items()), state.first_exit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,23 +79,6 @@ class Waits:
     standby: tuple[SlotKey, ...] = ()  # hot spares' slots (--spares)
     held_until: tuple[tuple[SlotKey, float], ...] = ()  # a preempted slot, the end of its hold
     first_exit: tuple[float, str] | None = None  # (since, worker): training returned, it exited
-
-
-@dataclasses.dataclass
-class Waiting:
-    """What the driver is waiting out, as it holds it (the decision loop's alone, under its
-    lock), beside the ``Tally``: ``waits()`` is what a save carries, ``of`` takes it up."""
-
-    standby: tuple[SlotKey, ...] = ()  # slots of hot spares (--spares)
-    held_until: dict[SlotKey, float] = dataclasses.field(default_factory=dict)  # preempted slot -> end of its hold
-    first_exit: tuple[float, str] | None = None  # when and who, once training has returned
-
-    def waits(self) -> Waits:
-        return Waits(self.standby, tuple(self.held_until.items()), self.first_exit)
-
-    @classmethod
-    def of(cls, waits: Waits) -> Waiting:
-        return cls(waits.standby, dict(waits.held_until), waits.first_exit)
 
 
 # A save is handed to the writer thread and never waited for: the driver may announce a round
@@ -138,7 +114,7 @@ _Row = tuple[str, SlotKey, WorkerProcess | None, bool, bool, Assignment | None, 
 class Snapshot:
     """The job's state as read under the driver's lock, as cheaply as it can be read (a
     tuple of references per worker, ~2 ms at 4,096 workers); ``state()`` builds the
-    ``JobState`` from it, in the writer thread (~15 ms at 4,096 workers), so that a save
+    ``SavedState`` from it, in the writer thread (~15 ms at 4,096 workers), so that a save
     holds the lock, and so delays the announcement of the round it saves, no longer than
     the reading."""
 
@@ -156,7 +132,7 @@ class Snapshot:
     waits: Waits
     now: float
 
-    def state(self) -> JobState:
+    def state(self) -> SavedState:
         workers = []
         for worker_id, slot, proc, joined, member, assignment, report, leave, finished, standby in self.rows:
             # (pid, start ticks) of what outlives the driver; None: nothing can be adopted.
@@ -180,7 +156,7 @@ class Snapshot:
                 standby=standby,
             ))
         current, counters, waits, now = self.round, self.counters, self.waits, self.now
-        return JobState(
+        return SavedState(
             address=self.address,
             port=self.port,
             next_worker=counters.next_worker,
@@ -224,12 +200,12 @@ def snapshot(
     now: float | None = None,
 ) -> Snapshot:
     """Read the state a restarted driver needs (driver lock held; O(workers), references only)."""
-    current = registry.round
+    current = registry.state.round
     number = current.number if current is not None else -1
     member_state = WorkerState.MEMBER
     get = processes.get
     rows: list[_Row] = []
-    for record in registry.workers.values():
+    for record in registry.state.workers.values():
         state = record.state
         if state.finished:
             continue
@@ -239,12 +215,12 @@ def snapshot(
                      a, record.report, record.leave, "", record.standby))
     if current is not None:  # its finished members too: the round names them
         for worker_id in current.members:
-            record = registry.workers[worker_id]
+            record = registry.state.workers[worker_id]
             if record.state.finished:
                 rows.append((worker_id, record.slot, get(worker_id), record.joined, False, record.assignment,
                              record.report, record.leave, record.state.value, record.standby))
     return Snapshot(
-        address, port, counters.next_worker, registry.generation, current, tuple(sorted(registry.broken_rounds)),
+        address, port, counters.next_worker, registry.state.generation, current, tuple(sorted(registry.state.broken_rounds)),
         tuple(rows), tuple(target), announced, counters, tuple(hosts.blacklist_entries()), waits,
         time.monotonic() if now is None else now)
 
@@ -259,7 +235,7 @@ class Restored:
 
 
 def restore(
-    state: JobState,
+    state: SavedState,
     registry: Registry,
     hosts: HostManager,
     adopt: Callable[[WorkerEntry, Callable[[], str]], WorkerProcess],
@@ -292,14 +268,14 @@ def restore(
             adopted += 1
         else:
             ended += 1
-    registry.generation = state.generation
-    registry.reserved = (max(state.reserved_round, state.round.number if state.round else 0),
+    registry.state.generation = state.generation
+    registry.state.reserved = (max(state.reserved_round, state.round.number if state.round else 0),
                          max(state.reserved_generation, state.generation))
-    registry.broken_rounds = set(state.broken_rounds)
+    registry.state.broken_rounds = set(state.broken_rounds)
     if state.round is not None:
         members = state.round.members
-        registry.round = RoundInfo(state.round.number, members, state.round.generation,
-                                   tuple(registry.workers[m].slot for m in members if m in registry.workers))
+        registry.state.round = RoundInfo(state.round.number, members, state.round.generation,
+                                   tuple(registry.state.workers[m].slot for m in members if m in registry.state.workers))
     hosts.restore_blacklist([(b.host, b.local_rank, b.count, b.remaining) for b in state.blacklist])
     target = [SlotAssignment(SlotKey(t.host, t.local_rank), t.rank, t.size, t.local_size, t.cross_rank, t.cross_size)
               for t in state.target]

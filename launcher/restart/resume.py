@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from lightning_elastic import __version__
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.observe.events import EventLog
-from lightning_elastic.launcher.job.registry import WorkerRecord
+from lightning_elastic.launcher.job.state import WorkerRecord
 from lightning_elastic.snapshot_files import (
     ENV_DIR,
     ENV_EVERY,

@@ -6,7 +6,7 @@ The directory holds:
   act on one job (the second says so and exits 2);
 - ``secret`` (mode 0600): the job secret the workers sign with; a restarted driver must
   verify them with the same one;
-- ``state.json``: the job's restartable state (``JobState``), replaced atomically (temp
+- ``state.json``: the job's restartable state (``SavedState``), replaced atomically (temp
   file + rename) by a writer thread, never by the decision loop itself;
 - ``alive``: touched every second by the running driver; its age on restart is the outage;
 - ``driver-url``: ``http://HOST:PORT`` where the running driver serves, one line. A worker
@@ -114,7 +114,7 @@ class TargetEntry:
 
 
 @dataclasses.dataclass(frozen=True)
-class JobState:
+class SavedState:
     """The job's restartable state: plain data, saved and loaded whole (tests compare it)."""
 
     address: str
@@ -171,7 +171,7 @@ class JobState:
         return f'{head[:-1]},"workers":[{",".join(slices)}]}}'
 
     @classmethod
-    def from_json(cls, text: str) -> JobState:
+    def from_json(cls, text: str) -> SavedState:
         raw = json.loads(text)
         if not isinstance(raw, dict) or raw.pop("version", None) != STATE_VERSION:
             raise ValueError(f"not a version {STATE_VERSION} job state")
@@ -262,18 +262,18 @@ class StateDir:
         write_atomic(path, value.encode(), 0o600)
         return value
 
-    def load(self) -> JobState | None:
+    def load(self) -> SavedState | None:
         """The saved state of a job still running, or None (none saved, or unreadable: said)."""
         path = self.path / "state.json"
         try:
-            return JobState.from_json(path.read_text())
+            return SavedState.from_json(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError, KeyError) as err:
             log.warning("--state-dir: ignoring %s, which cannot be read (%s): starting a new job.", path, err)
             return None
 
-    def save(self, state: JobState) -> None:
+    def save(self, state: SavedState) -> None:
         write_atomic(self.path / "state.json", state.to_json().encode())
 
     def touch_alive(self) -> None:
@@ -315,7 +315,7 @@ class StateWriter:
     def __init__(self, state_dir: StateDir) -> None:
         self._dir = state_dir
         self._cond = threading.Condition()
-        self._pending: JobState | Callable[[], JobState] | None = None
+        self._pending: SavedState | Callable[[], SavedState] | None = None
         self._closed = False
         self._failed = False
         self.last_write_s = 0.0  # how long the last save took here (state, JSON, write): paces the next
@@ -325,7 +325,7 @@ class StateWriter:
         self._dir.touch_alive()
         self._thread.start()
 
-    def submit(self, state: JobState | Callable[[], JobState]) -> None:
+    def submit(self, state: SavedState | Callable[[], SavedState]) -> None:
         """Save ``state``, or what it returns (called here: ``adoption.Snapshot.state``)."""
         with self._cond:
             self._pending = state

@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_elastic.launcher.service.http_connection import ConnectionLimits, HttpConnection, HttpRequest, HttpResponse
 from lightning_elastic.launcher.service.long_poll import LongPoll, LoopWaker
-from lightning_elastic.launcher.job.registry import Registry, UnknownWorker
+from lightning_elastic.launcher.service.registry import Registry, UnknownWorker
 from lightning_elastic.launcher.service.replay_guard import ReplayGuard
 from lightning_elastic.launcher.service.store_service import KeyValueStore
 from lightning_elastic import protocol as p

@@ -128,7 +128,7 @@ def test_a_large_fleet_waiting_out_an_outage_reads_the_shared_file_a_few_hundred
 def test_a_verified_reply_resets_the_rereads(tmp_path: Path) -> None:
     """The client tells its locator when its driver answered (signed): a later outage
     starts from a re-read at once, not from the previous outage's long wait."""
-    from lightning_elastic.launcher.job.registry import Registry
+    from lightning_elastic.launcher.service.registry import Registry
     from lightning_elastic.launcher.job.slots import SlotKey
     from lightning_elastic.launcher.service.rendezvous_server import RendezvousServer
     from tests.unit.launcher.service.test_rendezvous_server import SECRET

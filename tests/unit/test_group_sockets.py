@@ -246,7 +246,7 @@ def test_the_groups_connections_leave_out_one_another_thread_opened_during_forma
     import subprocess
     import sys
 
-    from lightning_elastic.launcher.job.registry import Registry
+    from lightning_elastic.launcher.service.registry import Registry
     from lightning_elastic.launcher.service.rendezvous_server import RendezvousServer
 
     secret = "cd" * 32

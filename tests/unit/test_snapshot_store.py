@@ -316,7 +316,7 @@ def test_a_snapshot_of_another_model_is_one_line_and_keeps_the_state(tmp_path):
 def test_the_summary_counts_every_workers_snapshots_from_heartbeats_and_final_reports():
     from lightning_elastic.launcher.restart import resume as snapshots
     from lightning_elastic.launcher.job.slots import SlotKey
-    from lightning_elastic.launcher.job.registry import Registry
+    from lightning_elastic.launcher.service.registry import Registry
     from lightning_elastic.protocol import HeartbeatRequest, Outcome, Report
 
     reg = Registry()
@@ -326,7 +326,7 @@ def test_the_summary_counts_every_workers_snapshots_from_heartbeats_and_final_re
     reg.heartbeat(HeartbeatRequest("a", 0, 0, 0.0, snapshots_written=2))
     reg.heartbeat(HeartbeatRequest("b", 0, 0, 0.0, snapshots_written=1, snapshots_failed=1, snapshot_error="x"))
     reg.report(Report("b", 0, Outcome.DONE, "", 1, 3, "Read-only file system: /s"))
-    assert snapshots.totals(reg.workers.values()) == (3, 3, "Read-only file system: /s")
+    assert snapshots.totals(reg.state.workers.values()) == (3, 3, "Read-only file system: /s")
 
 
 def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path, caplog):

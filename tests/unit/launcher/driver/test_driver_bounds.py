@@ -55,13 +55,13 @@ def test_a_worker_that_reported_the_end_of_training_is_given_the_exit_timeout_no
         driver._kill_wedged(clock.now)  # noqa: SLF001
     assert processes["a"].code is None  # reported: exiting, not wedged
     assert processes["b"].code == -signal.SIGKILL  # still training and silent: wedged
-    assert "no heartbeat for 4 s" in driver._registry.workers["b"].kill_reason  # noqa: SLF001
+    assert "no heartbeat for 4 s" in driver._registry.state.workers["b"].kill_reason  # noqa: SLF001
 
     clock.now += 21.0  # 31 s after its report: past --exit-timeout
     with driver._registry.cond:  # noqa: SLF001
         driver._kill_wedged(clock.now)  # noqa: SLF001
     assert processes["a"].code == -signal.SIGKILL
-    assert driver._registry.workers["a"].kill_reason == "it reported done but did not exit within 30 s"  # noqa: SLF001
+    assert driver._registry.state.workers["a"].kill_reason == "it reported done but did not exit within 30 s"  # noqa: SLF001
 
 
 def test_the_hosts_said_to_be_ignored_are_remembered_boundedly(caplog) -> None:
@@ -95,7 +95,7 @@ def test_the_drivers_own_absence_is_no_workers_silence() -> None:
         clock.now += 0.05
         absences.turn(clock.now)
         if turn % 20 == 0:
-            registry.workers["a"].last_heartbeat = clock.now  # a heartbeats every second; b never again
+            registry.state.workers["a"].last_heartbeat = clock.now  # a heartbeats every second; b never again
     with registry.cond:
         driver._kill_wedged(clock.now)  # noqa: SLF001
     assert processes["a"].code is None

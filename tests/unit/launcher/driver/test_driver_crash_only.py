@@ -25,7 +25,7 @@ def test_an_unexpected_error_in_the_loop_is_a_verdict_with_every_worker_stopped(
     config = LaunchConfig(command=SLEEPER, np=2, min_np=2, max_np=2, hosts=hosts)
     driver = Driver(config, FixedHosts(hosts), LocalLauncher(), is_local=lambda _host: True)
     processes = driver._processes  # noqa: SLF001 - the workers it started
-    tick = driver._hosts.tick  # noqa: SLF001
+    tick = driver._state.hosts.tick  # noqa: SLF001
     pids: list[int] = []
 
     def failing_tick():
@@ -36,7 +36,7 @@ def test_an_unexpected_error_in_the_loop_is_a_verdict_with_every_worker_stopped(
             raise ZeroDivisionError("division by zero")
         return tick()
 
-    driver._hosts.tick = failing_tick  # noqa: SLF001
+    driver._state.hosts.tick = failing_tick  # noqa: SLF001
     result = driver.run()
     assert not result.success
     assert result.reason.startswith("the driver failed: ZeroDivisionError: division by zero"), result.reason

@@ -17,7 +17,7 @@ from lightning_elastic.launcher.job.membership import (
     vacant_slots,
 )
 from lightning_elastic.launcher.job.verdict import Verdict
-from lightning_elastic.launcher.job.registry import WorkerState as S
+from lightning_elastic.launcher.job.state import WorkerState as S
 
 A, B, C, D, E = (SlotKey(h, 0) for h in "abcde")
 

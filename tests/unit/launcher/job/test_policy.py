@@ -14,7 +14,7 @@ from lightning_elastic.launcher.job.verdict import (
     check_reset_limit,
     decide_verdict,
 )
-from lightning_elastic.launcher.job.registry import WorkerState as S
+from lightning_elastic.launcher.job.state import WorkerState as S
 
 TIMEOUT = 30.0
 

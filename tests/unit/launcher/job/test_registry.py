@@ -1,4 +1,4 @@
-"""launcher/job/registry.py: what the rendezvous service records and answers.
+"""launcher/service/registry.py: what the rendezvous service records and answers.
 
 Calls that may block run in a worker thread; the test waits for the registry's own
 condition (``cond.wait_for`` with a deadline) instead of sleeping.
@@ -12,15 +12,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
-from lightning_elastic.launcher.job.registry import (
-    ErrorView,
-    Registry,
-    UnknownWorker,
-    WorkerRecord,
-    WorkerState,
-    classify_error,
-    outcome_of,
-)
+from lightning_elastic.launcher.job.collective_errors import ErrorView, classify_error
+from lightning_elastic.launcher.job.state import WorkerRecord, WorkerState
+from lightning_elastic.launcher.service.registry import Registry, UnknownWorker, outcome_of
 from lightning_elastic.protocol import (
     HeartbeatRequest,
     LeaveReply,
@@ -109,7 +103,7 @@ def test_finished_workers_outside_the_new_round_are_forgotten(reg):
     finish(reg, d, WorkerState.FAILED)  # failed before it ever joined
     with reg.cond:
         assert reg.forget_finished({"w1"}) == ["w3"]  # a member of the new round stays
-        assert sorted(reg.workers) == ["w0", "w1", "w2"]
+        assert sorted(reg.state.workers) == ["w0", "w1", "w2"]
         assert reg.forget_finished({"w0", "w2"}) == ["w1"]
     assert [r.worker_id for r in reg.live_workers()] == ["w0", "w2"]
     with pytest.raises(UnknownWorker):  # a late request from a forgotten worker: refused
@@ -399,7 +393,7 @@ def test_round_lost_is_no_after_the_wait_when_only_some_members_ask(reg):
     a, b = add(reg, "w0"), add(reg, "w1")
     form(reg, a, b)
     assert reg.round_lost(RoundLostRequest("w0", 1, wait_seconds=0.05)).lost is False
-    assert 1 not in reg.user_error_rounds  # one member's own error, not everyone's
+    assert 1 not in reg.state.user_error_rounds  # one member's own error, not everyone's
     assert a.asking_round is None
 
 
@@ -419,11 +413,11 @@ def test_round_lost_is_user_error_only_when_every_live_member_asks(reg, pool):
     form(reg, a, b)
     first = pool.submit(reg.round_lost, RoundLostRequest("w0", 1, wait_seconds=30.0))
     wait_until(reg, lambda: a.asking_round == 1)
-    assert 1 not in reg.user_error_rounds
+    assert 1 not in reg.state.user_error_rounds
     # The last member asks: everyone hit the same error, so it is the user's; both answered now.
     assert reg.round_lost(RoundLostRequest("w1", 1, wait_seconds=30.0)).lost is False
     assert first.result(timeout=PROMPT).lost is False
-    assert 1 in reg.user_error_rounds
+    assert 1 in reg.state.user_error_rounds
 
 
 def test_user_error_round_stays_user_error_for_later_askers(reg):
@@ -440,7 +434,7 @@ def test_finished_members_do_not_count_as_askers(reg):
     form(reg, a, b)
     finish(reg, b, WorkerState.REMOVED)
     assert reg.round_lost(RoundLostRequest("w0", 1, wait_seconds=30.0)).lost is False
-    assert 1 in reg.user_error_rounds
+    assert 1 in reg.state.user_error_rounds
 
 
 def test_asking_about_an_old_round_is_never_a_user_error(reg):
@@ -448,7 +442,7 @@ def test_asking_about_an_old_round_is_never_a_user_error(reg):
     form(reg, a)
     form(reg, a)  # round 2 is current
     assert reg.round_lost(RoundLostRequest("w0", 1, wait_seconds=0.05)).lost is False
-    assert 1 not in reg.user_error_rounds
+    assert 1 not in reg.state.user_error_rounds
 
 
 def test_one_ranks_error_is_its_own_once_every_peer_shows_it_is_alive(reg, pool):
@@ -464,7 +458,7 @@ def test_one_ranks_error_is_its_own_once_every_peer_shows_it_is_alive(reg, pool)
     assert not asked.done()  # alive before the question proves nothing
     pool.submit(reg.heartbeat, HeartbeatRequest("w1", 0, 0, 30.0))
     assert asked.result(timeout=PROMPT).lost is False
-    assert 1 not in reg.user_error_rounds  # its own, not everyone's
+    assert 1 not in reg.state.user_error_rounds  # its own, not everyone's
 
 
 def test_after_an_own_error_the_same_error_is_own_and_another_is_a_lost_peer(reg, pool):
@@ -587,7 +581,7 @@ def test_per_round_facts_stay_bounded_over_thousands_of_rounds(tmp_path):
     thousands of times keeps the newest ROUNDS_KEPT rounds' facts, and its timeline still
     records every break and first step once."""
     from lightning_elastic.launcher.observe.events import EventLog, read_events
-    from lightning_elastic.launcher.job.registry import ROUNDS_KEPT
+    from lightning_elastic.launcher.job.state import ROUNDS_KEPT
 
     reg = Registry()
     events = EventLog(tmp_path)
@@ -596,14 +590,14 @@ def test_per_round_facts_stay_bounded_over_thousands_of_rounds(tmp_path):
     with reg.cond:
         for number in range(1, rounds + 1):
             form(reg, *members)
-            reg.first_steps[number] = float(number)  # as a member's heartbeat reports it
-            events.observe(reg.breaks, reg.first_steps, number)
+            reg.state.first_steps[number] = float(number)  # as a member's heartbeat reports it
+            events.observe(reg.state.breaks, reg.state.first_steps, number)
             reg.mark_round_broken(number, f"worker w1 was lost in round {number}")
-            reg.user_error_rounds.add(number)
-            events.observe(reg.breaks, reg.first_steps, number)
-    assert len(reg.breaks) == ROUNDS_KEPT and reg.breaks[-1].round == rounds
-    assert max(reg.broken_rounds) == rounds and len(reg.broken_rounds) <= ROUNDS_KEPT + 1
-    assert len(reg.first_steps) <= ROUNDS_KEPT + 1 and len(reg.user_error_rounds) <= ROUNDS_KEPT + 1
+            reg.state.user_error_rounds.add(number)
+            events.observe(reg.state.breaks, reg.state.first_steps, number)
+    assert len(reg.state.breaks) == ROUNDS_KEPT and reg.state.breaks[-1].round == rounds
+    assert max(reg.state.broken_rounds) == rounds and len(reg.state.broken_rounds) <= ROUNDS_KEPT + 1
+    assert len(reg.state.first_steps) <= ROUNDS_KEPT + 1 and len(reg.state.user_error_rounds) <= ROUNDS_KEPT + 1
     assert len(events._breaks_seen) <= ROUNDS_KEPT and len(events._first_steps_seen) <= 2 * ROUNDS_KEPT + 1  # noqa: SLF001
     events.close()
     kinds = [e["kind"] for e in read_events(tmp_path)]
@@ -635,8 +629,8 @@ def test_a_collective_error_breaks_the_round_at_once_with_its_cause(reg):
     form(reg, w0, w1)
     reply = reg.round_lost(RoundLostRequest("w1", 1, 30.0, collective=True, error="DistError: timed out"))
     assert reply == RoundLostReply(True)
-    assert reg.broken_rounds == {1}
-    (only,) = reg.breaks
+    assert reg.state.broken_rounds == {1}
+    (only,) = reg.state.breaks
     assert only.error == "DistError: timed out" and "worker w1 left round 1" in only.cause
     assert only.slots == (SlotKey("a", 0), SlotKey("b", 0))
     # Its peer, whose collective failed because w1 left, hears "lost" at once.
@@ -647,8 +641,8 @@ def test_a_member_back_at_the_rendezvous_unannounced_breaks_its_round(reg):
     w0, w1 = add(reg, "w0", "a"), add(reg, "w1", "b")
     form(reg, w0, w1)
     assert reg.rendezvous(RendezvousRequest("w1", 1), timeout=0.0).status == RendezvousStatus.WAIT
-    assert reg.broken_rounds == {1}
-    assert reg.breaks[0].cause == "worker w1 left round 1" and reg.breaks[0].error == ""
+    assert reg.state.broken_rounds == {1}
+    assert reg.state.breaks[0].cause == "worker w1 left round 1" and reg.state.breaks[0].error == ""
 
 
 def test_members_back_after_an_announced_change_do_not_break_the_round(reg):
@@ -657,7 +651,7 @@ def test_members_back_after_an_announced_change_do_not_break_the_round(reg):
     with reg.cond:
         reg.bump_generation()
     reg.rendezvous(RendezvousRequest("w1", 1), timeout=0.0)
-    assert reg.broken_rounds == set()
+    assert reg.state.broken_rounds == set()
 
 
 def test_a_break_is_recorded_once_with_its_first_cause(reg):
@@ -666,7 +660,7 @@ def test_a_break_is_recorded_once_with_its_first_cause(reg):
     with reg.cond:
         assert reg.mark_round_broken(1, "first") is True
         assert reg.mark_round_broken(1, "second") is False
-    assert [b.cause for b in reg.breaks] == ["first"]
+    assert [b.cause for b in reg.state.breaks] == ["first"]
 
 
 def break_with(reg: Registry, records: tuple[WorkerRecord, ...], error: str, commits: int = 0) -> RoundLostReply:
@@ -682,8 +676,8 @@ def test_the_same_collective_error_in_consecutive_rounds_ends_the_job_at_the_lim
     assert break_with(reg, members, "DistError: timed out after 60001 ms on port 41877").lost is True
     reply = break_with(reg, members, "DistError: timed out after 60000 ms on port 39999")
     assert reply.lost is False
-    assert reply.reason == reg.repeated_error
-    assert reg.repeated_error == (
+    assert reply.reason == reg.state.repeated_error
+    assert reg.state.repeated_error == (
         "the same collective error ended 3 consecutive rounds (1-3) with no commit in between: "
         "DistError: timed out after 60000 ms on port 39999"
     )
@@ -701,7 +695,7 @@ def test_a_changed_error_or_progress_starts_the_count_again(second):
     members = (add(reg, "w0", "a"), add(reg, "w1", "b"))
     break_with(reg, members, "DistError: timed out")
     assert break_with(reg, members, second.get("error", ""), second.get("commits", 0)).lost is True
-    assert reg.repeated_error is None
+    assert reg.state.repeated_error is None
 
 
 def test_a_changed_membership_starts_the_count_again():
@@ -734,7 +728,7 @@ def test_a_preempted_worker_may_leave_and_is_told_to_exit_at_the_rendezvous(reg)
     assert reg.leave(LeaveRequest("w0", "SIGTERM")) == LeaveReply(True)
     assert w0.departing == "SIGTERM" and w0.leave
     assert reg.rendezvous(RendezvousRequest("w0", 1), timeout=0.0).status == RendezvousStatus.EXIT
-    assert reg.broken_rounds == set()  # leaving through the rendezvous loses nothing
+    assert reg.state.broken_rounds == set()  # leaving through the rendezvous loses nothing
 
 
 @pytest.mark.parametrize("why", ["closing", "stopping", "done"])
@@ -742,7 +736,7 @@ def test_leave_is_refused_when_the_driver_stops_the_worker_or_training_is_over(r
     w0 = add(reg, "w0")
     form(reg, w0)
     if why == "closing":
-        reg.closing = True
+        reg.state.closing = True
     elif why == "stopping":
         w0.stop_deadline = 0.0
     else:

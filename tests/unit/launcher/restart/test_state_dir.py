@@ -21,8 +21,9 @@ from lightning_elastic.launcher.job.slots import HostSlots, SlotAssignment, Slot
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.detached import DetachedLauncher, LostProcess, is_running
 from lightning_elastic.launcher.node.supervisor import MARK
-from lightning_elastic.launcher.job.registry import Registry
-from lightning_elastic.launcher.restart.state_dir import JobState, StateDir, StateWriter, WorkerEntry
+from lightning_elastic.launcher.job.state import JobState, Tally
+from lightning_elastic.launcher.service.registry import Registry
+from lightning_elastic.launcher.restart.state_dir import SavedState, StateDir, StateWriter, WorkerEntry
 from lightning_elastic.protocol import HeartbeatRequest, Outcome, RendezvousRequest, Report
 from tests.unit.proc_tools import BOUND, REPO, LineReader
 
@@ -77,10 +78,10 @@ def test_restore_gives_a_new_driver_the_same_job(tmp_path):
     with new_reg.cond:
         restored = adoption.restore(state, new_reg, new_hosts, lambda entry, prefix: LostProcess(),
                                     lambda record: lambda: "")
-    assert new_reg.round == reg.round
-    assert new_reg.generation == reg.generation == 1
-    for worker_id, record in reg.workers.items():
-        again = new_reg.workers[worker_id]
+    assert new_reg.state.round == reg.state.round
+    assert new_reg.state.generation == reg.state.generation == 1
+    for worker_id, record in reg.state.workers.items():
+        again = new_reg.state.workers[worker_id]
         assert (again.slot, again.state, again.assignment, again.report) == \
                (record.slot, record.state, record.assignment, record.report)
     assert new_hosts.is_blacklisted("b") and not new_hosts.is_blacklisted("a")
@@ -90,7 +91,7 @@ def test_restore_gives_a_new_driver_the_same_job(tmp_path):
     assert dataclass_without_time(again) == dataclass_without_time(state)
 
 
-def dataclass_without_time(state: JobState) -> JobState:
+def dataclass_without_time(state: SavedState) -> SavedState:
     return dataclasses.replace(state, saved_at=0.0,
                                blacklist=tuple(dataclasses.replace(b, remaining=None) for b in state.blacklist))
 
@@ -338,7 +339,7 @@ def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
     """A restart must not turn a hot spare into a member, end a preempted slot's hold early,
     or give the workers after training returned a new --exit-timeout."""
     reg, hosts, target, procs = a_job(tmp_path)
-    spare = reg.workers["a[1]#2"]
+    spare = reg.state.workers["a[1]#2"]
     spare.standby = True
     waits = adoption.Waits(standby=(SlotKey("a", 1),),
                            held_until=((SlotKey("b", 0), 105.0), (SlotKey("a", 0), 99.0)),  # the second is over
@@ -356,12 +357,12 @@ def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
                                     lambda record: lambda: "", now=500.0)  # another clock
     assert restored.waits == adoption.Waits(standby=(SlotKey("a", 1),), held_until=((SlotKey("b", 0), 505.0),),
                                             first_exit=(490.0, "a[0]#0"))
-    assert new_reg.workers["a[1]#2"].standby and not new_reg.workers["a[0]#0"].standby
+    assert new_reg.state.workers["a[1]#2"].standby and not new_reg.state.workers["a[0]#0"].standby
     # A state saved before these were kept still loads: nothing waited out.
     raw = json.loads(state.to_json())
     for key in ("standby", "holds", "first_exit"):
         del raw[key]
-    old = JobState.from_json(json.dumps(raw))
+    old = SavedState.from_json(json.dumps(raw))
     assert (old.standby, old.holds, old.first_exit) == ((), (), None)
 
 
@@ -375,11 +376,11 @@ def test_workers_in_a_round_the_previous_driver_did_not_save_re_form_under_a_new
     generation to one they already know (they would not hear of it): it re-forms past both."""
     reg, hosts, target, procs = a_job(tmp_path)
     saved = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
-    members = [reg.workers["a[0]#0"], reg.workers["a[1]#1"]]
+    members = [reg.state.workers["a[0]#0"], reg.state.workers["a[1]#1"]]
     with reg.cond:  # the unsaved change: a new generation and round 2, announced
         reg.bump_generation()
         reg.form_round(list(zip(members, target)), ("127.0.0.1", 4242))
-    assert (reg.round.number, reg.generation) == (2, 2) and saved.round.number == 1
+    assert (reg.state.round.number, reg.state.generation) == (2, 2) and saved.round.number == 1
     new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
     with new_reg.cond:
         adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
@@ -387,13 +388,13 @@ def test_workers_in_a_round_the_previous_driver_did_not_save_re_form_under_a_new
     # generation its predecessor may have announced unsaved.
     reserve = adoption.RESERVED_CHANGES
     reply = new_reg.heartbeat_poll(HeartbeatRequest("a[0]#0", 2, 0, 5.0)).wait()
-    assert reply.generation == new_reg.generation == 1 + reserve + 1
-    assert 1 in new_reg.broken_rounds
+    assert reply.generation == new_reg.state.generation == 1 + reserve + 1
+    assert 1 in new_reg.state.broken_rounds
     # Both come back from round 2; the driver's next round is 3, and they take it.
     waiting = [new_reg.rendezvous_poll(RendezvousRequest(w.worker_id, 2), timeout=0.01) for w in members]
     with new_reg.cond:
-        assert new_reg.generation == reserve + 2  # their round 2 moved nothing more
-        formed = new_reg.form_round([(new_reg.workers[w.worker_id], s) for w, s in zip(members, target)],
+        assert new_reg.state.generation == reserve + 2  # their round 2 moved nothing more
+        formed = new_reg.form_round([(new_reg.state.workers[w.worker_id], s) for w, s in zip(members, target)],
                                     ("127.0.0.1", 4242))
     assert formed.number == 1 + reserve + 1 and formed.generation == reserve + 2
     replies = [poll.wait() for poll in waiting]
@@ -409,11 +410,11 @@ def test_a_round_the_workers_knew_only_from_a_rendezvous_is_also_passed(tmp_path
     with new_reg.cond:
         adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
     poll = new_reg.rendezvous_poll(RendezvousRequest("a[0]#0", 2), timeout=0.01)
-    assert new_reg.generation == 1 + adoption.RESERVED_CHANGES + 1 and 1 in new_reg.broken_rounds
+    assert new_reg.state.generation == 1 + adoption.RESERVED_CHANGES + 1 and 1 in new_reg.state.broken_rounds
     # Its round-2 peers, still in it, hear of the new generation at their next heartbeat.
-    assert new_reg.heartbeat_poll(HeartbeatRequest("a[1]#1", 1, 0, 5.0)).wait().generation == new_reg.generation
+    assert new_reg.heartbeat_poll(HeartbeatRequest("a[1]#1", 1, 0, 5.0)).wait().generation == new_reg.state.generation
     with new_reg.cond:
-        formed = new_reg.form_round([(new_reg.workers["a[0]#0"], target[0])], ("127.0.0.1", 4242))
+        formed = new_reg.form_round([(new_reg.state.workers["a[0]#0"], target[0])], ("127.0.0.1", 4242))
     assert formed.number == 1 + adoption.RESERVED_CHANGES + 1
     assert poll.wait().assignment.round == formed.number
 
@@ -427,7 +428,7 @@ def test_workers_in_the_saved_round_change_nothing(tmp_path):
         adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
     new_reg.heartbeat_poll(HeartbeatRequest("a[0]#0", 1, 0, 0.01)).wait()
     new_reg.report(Report("a[1]#1", 1, Outcome.DONE))
-    assert (new_reg.round, new_reg.generation, new_reg.broken_rounds) == (reg.round, 1, set())
+    assert (new_reg.state.round, new_reg.state.generation, new_reg.state.broken_rounds) == (reg.state.round, 1, set())
 
 
 def test_a_snapshot_read_under_the_lock_is_the_state_of_then(tmp_path):
@@ -436,12 +437,12 @@ def test_a_snapshot_read_under_the_lock_is_the_state_of_then(tmp_path):
     reg, hosts, target, procs = a_job(tmp_path)
     before = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
     snap = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
-    members = [reg.workers["a[0]#0"], reg.workers["a[1]#1"]]
+    members = [reg.state.workers["a[0]#0"], reg.state.workers["a[1]#1"]]
     with reg.cond:  # the next pass: a new round, a report, a worker gone
         reg.bump_generation()
         reg.form_round(list(zip(members, target)), ("127.0.0.1", 4242))
         members[1].report = Report("a[1]#1", 2, Outcome.FAILED, "later")
-        reg.workers["a[1]#2"].leave = True
+        reg.state.workers["a[1]#2"].leave = True
         hosts.record_failure(SlotKey("a", 0))
     directory = StateDir(tmp_path)
     writer = StateWriter(directory)
@@ -465,16 +466,16 @@ def test_the_adoption_time_is_the_last_arrival_not_when_the_loop_looked():
 
 def test_the_summary_counts_survive_a_restart_as_one_structure(tmp_path):
     reg, hosts, target, procs = a_job(tmp_path)
-    tally = adoption.Tally(next_worker=3)
+    tally = Tally(next_worker=3)
     tally.rounds.append(2)
     tally.failures.append("worker a[1]#1 was killed by SIGKILL")
     tally.blacklisted.append("b")
     tally.departures.append("worker a[0]#0 left on a preemption notice")
     tally.outages.append("driver restarted after 5.0 s without one")
     directory = StateDir(tmp_path)
-    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, tally.counters()).state())
-    restored = adoption.Tally.of(directory.load())
-    assert dataclasses.replace(restored.counters(), next_worker=3) == tally.counters()
+    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, adoption.counters_of(tally)).state())
+    restored = adoption.tally_of(directory.load())
+    assert dataclasses.replace(adoption.counters_of(restored), next_worker=3) == adoption.counters_of(tally)
     assert restored.next_worker > tally.next_worker  # past the reserve: next test
 
 
@@ -484,34 +485,31 @@ def test_a_restarted_driver_numbers_its_workers_past_any_its_predecessor_started
     reg, hosts, target, procs = a_job(tmp_path)
     directory = StateDir(tmp_path)
     saved_next = 3
-    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, adoption.Tally(saved_next).counters()).state())
+    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, adoption.counters_of(Tally(saved_next))).state())
     # Before its next save, a whole pass of replacements and then each replaced again.
-    started_unsaved = range(saved_next, saved_next + 2 * max(len(reg.workers), len(target)))
-    assert adoption.Tally.of(directory.load()).next_worker > max(started_unsaved)
+    started_unsaved = range(saved_next, saved_next + 2 * max(len(reg.state.workers), len(target)))
+    assert adoption.tally_of(directory.load()).next_worker > max(started_unsaved)
     # A state saved before the reserve existed keeps its number.
-    assert adoption.Tally.of(dataclasses.replace(directory.load(), reserved_worker=0)).next_worker == saved_next
+    assert adoption.tally_of(dataclasses.replace(directory.load(), reserved_worker=0)).next_worker == saved_next
 
 
 def test_the_reset_limit_still_counts_every_round_after_a_restart_past_the_kept_history(tmp_path):
     # The rounds history keeps its first 20 and newest 80 entries; a restart used to take up
     # only those, so a job of 150 rounds counted 100 against --reset-limit afterwards.
     reg, hosts, target, procs = a_job(tmp_path)
-    tally = adoption.Tally(next_worker=3)
+    tally = Tally(next_worker=3)
     for size in range(150):
         tally.rounds.append(size)
     directory = StateDir(tmp_path)
-    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, tally.counters()).state())
-    restored = adoption.Tally.of(directory.load())
+    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, adoption.counters_of(tally)).state())
+    restored = adoption.tally_of(directory.load())
     assert (restored.rounds.total, restored.rounds.omitted) == (150, 50)
     assert list(restored.rounds) == list(tally.rounds)
 
 
-def test_what_the_driver_waits_out_is_one_structure_a_save_carries():
-    waiting = adoption.Waiting(standby=(SlotKey("a", 1),), held_until={SlotKey("b", 0): 130.0},
-                               first_exit=(95.0, "a[0]#0"))
-    waits = waiting.waits()
+def test_what_the_driver_waits_out_is_carried_by_a_save():
+    state = JobState(standby=(SlotKey("a", 1),), held_until={SlotKey("b", 0): 130.0}, first_exit=(95.0, "a[0]#0"))
+    waits = adoption.waits_of(state)
     assert waits == adoption.Waits((SlotKey("a", 1),), ((SlotKey("b", 0), 130.0),), (95.0, "a[0]#0"))
-    taken_up = adoption.Waiting.of(waits)
-    assert taken_up == waiting
-    taken_up.held_until.clear()  # the driver's own dict: the save's tuple is left alone
-    assert waits.held_until and waiting.held_until
+    state.held_until.clear()  # the driver's own dict: the save's tuple is left alone
+    assert waits.held_until

@@ -20,7 +20,8 @@ import pytest
 import requests
 
 from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
-from lightning_elastic.launcher.job.registry import Registry, WorkerState
+from lightning_elastic.launcher.job.state import WorkerState
+from lightning_elastic.launcher.service.registry import Registry
 from lightning_elastic.launcher.service.rendezvous_server import MAX_BODY, TIMESTAMP_WINDOW, RendezvousServer
 from lightning_elastic import protocol as p
 from lightning_elastic.client import DriverClient
@@ -111,7 +112,7 @@ def form_round(registry: Registry, *worker_ids: str, store_port: int = 1) -> int
     n = len(worker_ids)
     with registry.cond:
         members = [
-            (registry.workers[wid], SlotAssignment(registry.workers[wid].slot, i, n, n, 0, 1))
+            (registry.state.workers[wid], SlotAssignment(registry.state.workers[wid].slot, i, n, n, 0, 1))
             for i, wid in enumerate(worker_ids)
         ]
         return registry.form_round(members, ("127.0.0.1", store_port)).number
@@ -127,14 +128,14 @@ def test_url_is_loopback_with_a_real_port(server):
 
 def test_valid_heartbeat_is_answered(server, registry, w, rejected):
     with registry.cond:
-        known = registry.generation
+        known = registry.state.generation
         registry.bump_generation()
     r = post(server, p.PATH_HEARTBEAT, p.HeartbeatRequest(w[0], known, 0, 0.0))
     assert r.status_code == 200
     assert r.headers["Content-Type"] == "application/json"
     assert signed_by_driver(r)
     assert p.decode(p.HeartbeatReply, r.content).generation == known + 1
-    assert registry.workers[w[0]].last_heartbeat is not None
+    assert registry.state.workers[w[0]].last_heartbeat is not None
     assert rejected() == 0
 
 
@@ -143,7 +144,7 @@ def test_valid_report_reaches_the_registry(server, registry, w):
     r = post(server, p.PATH_REPORT, report)
     assert r.status_code == 200
     assert p.decode(p.Ack, r.content) == p.Ack(True)
-    assert registry.workers[w[1]].report == report
+    assert registry.state.workers[w[1]].report == report
 
 
 def test_round_lost_is_answered(server, registry, w):
@@ -156,7 +157,7 @@ def test_round_lost_is_answered(server, registry, w):
 
 
 def test_rendezvous_is_answered_with_the_assignment_once_the_round_forms(server, registry, w):
-    record = registry.workers[w[0]]
+    record = registry.state.workers[w[0]]
     result: dict = {}
 
     def ask() -> None:
@@ -177,7 +178,7 @@ def test_rendezvous_is_answered_with_the_assignment_once_the_round_forms(server,
 
 
 def test_leaving_worker_is_told_to_exit_over_http(server, registry, w):
-    registry.workers[w[0]].leave = True
+    registry.state.workers[w[0]].leave = True
     r = post(server, p.PATH_RENDEZVOUS, p.RendezvousRequest(w[0], 0))
     assert r.status_code == 200
     assert p.decode(p.RendezvousReply, r.content).status == p.RendezvousStatus.EXIT
@@ -212,7 +213,7 @@ def test_missing_or_malformed_signature_headers_are_401(server, registry, w, rej
     assert r.status_code == 401
     assert p.decode(p.ErrorReply, r.content).error == "missing or malformed signature headers"
     assert p.HEADER_SIGNATURE not in r.headers  # no verified nonce to sign the reply for
-    assert registry.workers[w[0]].report is None
+    assert registry.state.workers[w[0]].report is None
     assert rejected() == 1
 
 
@@ -242,7 +243,7 @@ def test_bad_signature_is_401_unsigned_and_never_reaches_the_registry(server, re
     assert r.status_code == 401
     assert p.decode(p.ErrorReply, r.content).error == "bad signature (wrong job secret?)"
     assert p.HEADER_SIGNATURE not in r.headers
-    assert registry.workers[w[0]].report is None
+    assert registry.state.workers[w[0]].report is None
     assert rejected() == 1
 
 
@@ -251,7 +252,7 @@ def test_signed_report_is_accepted_and_its_reply_signed(server, registry, w, rej
     report = p.Report(w[0], 1, p.Outcome.DONE)
     r = post(server, p.PATH_REPORT, report)
     assert r.status_code == 200 and signed_by_driver(r)
-    assert registry.workers[w[0]].report == report
+    assert registry.state.workers[w[0]].report == report
     assert rejected() == 0
 
 
@@ -260,11 +261,11 @@ def test_replayed_request_is_401_and_counted(server, registry, w, rejected):
     headers = sign(p.PATH_REPORT, body)
     assert post(server, p.PATH_REPORT, body, headers=headers).status_code == 200
     with registry.cond:
-        registry.workers[w[0]].report = None
+        registry.state.workers[w[0]].report = None
     replay = post(server, p.PATH_REPORT, body, headers=headers)
     assert replay.status_code == 401
     assert p.decode(p.ErrorReply, replay.content).error == "replayed request (nonce already seen)"
-    assert registry.workers[w[0]].report is None
+    assert registry.state.workers[w[0]].report is None
     assert rejected() == 1
     # The same message signed afresh (as the client does when it retries) is accepted.
     assert post(server, p.PATH_REPORT, body).status_code == 200
@@ -396,11 +397,11 @@ def test_a_driver_clock_step_and_its_correction_lock_nobody_out(clocked, step):
 def test_client_requests_are_accepted_and_replies_verified(server, registry, w, rejected):
     client = DriverClient(server.url, SECRET, w[0])
     try:
-        assert client.heartbeat(registry.generation, 0, 0.0).generation == registry.generation
+        assert client.heartbeat(registry.state.generation, 0, 0.0).generation == registry.state.generation
         client.report(1, p.Outcome.DONE, "fine")
     finally:
         client.close()
-    assert registry.workers[w[0]].report == p.Report(w[0], 1, p.Outcome.DONE, "fine")
+    assert registry.state.workers[w[0]].report == p.Report(w[0], 1, p.Outcome.DONE, "fine")
     assert rejected() == 0
 
 
@@ -411,7 +412,7 @@ def test_client_with_the_wrong_secret_is_refused(server, registry, w, rejected):
             client.report(1, p.Outcome.DONE)
     finally:
         client.close()
-    assert registry.workers[w[0]].report is None
+    assert registry.state.workers[w[0]].report is None
     assert rejected() == 1
 
 
@@ -628,7 +629,7 @@ def test_body_of_max_size_is_read_and_decoded(server, registry, w):
     assert len(body) == MAX_BODY
     r = post(server, p.PATH_REPORT, body)
     assert r.status_code == 200
-    assert registry.workers[w[0]].report == p.Report(w[0], 1, p.Outcome.DONE)
+    assert registry.state.workers[w[0]].report == p.Report(w[0], 1, p.Outcome.DONE)
 
 
 def _raw_post(server: RendezvousServer, headers: dict[str, str], body: bytes = b"") -> int:
@@ -664,7 +665,7 @@ def test_unknown_worker_is_409(server):
 
 def test_finished_worker_is_409(server, registry, w):
     with registry.cond:
-        registry.workers[w[0]].state = WorkerState.DONE
+        registry.state.workers[w[0]].state = WorkerState.DONE
     assert post(server, p.PATH_REPORT, p.Report(w[0], 1, p.Outcome.DONE)).status_code == 409
 
 
@@ -810,7 +811,7 @@ def test_pending_long_polls_hold_no_server_thread_each(registry, server):
     with registry.cond:
         for i, worker_id in enumerate(ids):
             registry.add_worker(worker_id, SlotKey("10.0.0.1", i))
-        known = (registry.generation, max(registry.broken_rounds, default=0))  # so that the polls wait
+        known = (registry.state.generation, max(registry.state.broken_rounds, default=0))  # so that the polls wait
     threads_before = threading.active_count()
     sessions = [requests.Session() for _ in range(50)]
     results: list[int] = []
@@ -827,9 +828,9 @@ def test_pending_long_polls_hold_no_server_thread_each(registry, server):
     for t in pollers:
         t.start()
     deadline = time.monotonic() + TIMEOUT
-    while sum(registry.workers[i].wake.waiting for i in ids) < 50 and time.monotonic() < deadline:
+    while sum(registry.state.workers[i].wake.waiting for i in ids) < 50 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert sum(registry.workers[i].wake.waiting for i in ids) == 50, "the polls did not all wait"
+    assert sum(registry.state.workers[i].wake.waiting for i in ids) == 50, "the polls did not all wait"
     assert threading.active_count() - threads_before <= 50  # the clients' only: no server thread per poll
     with registry.cond:
         registry.bump_generation()  # answers every pending poll at once
@@ -849,7 +850,7 @@ def test_a_request_sent_while_the_server_only_listens_is_answered_once_it_serves
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         sent = pool.submit(post, srv, p.PATH_HEARTBEAT, heartbeat("early"))
         time.sleep(0.2)  # the request is sent and waits: nothing serves it yet
-        assert not sent.done() and reg.workers["early"].last_heartbeat is None
+        assert not sent.done() and reg.state.workers["early"].last_heartbeat is None
         srv.start()
         try:
             assert sent.result(timeout=TIMEOUT).status_code == 200

@@ -16,7 +16,7 @@ import requests
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.job.slots import SlotKey
 from lightning_elastic.launcher.service.http_connection import MAX_PIPELINED, ConnectionLimits
-from lightning_elastic.launcher.job.registry import Registry
+from lightning_elastic.launcher.service.registry import Registry
 from lightning_elastic.launcher.service.rendezvous_server import RejectionLog, RendezvousServer
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-from lightning_elastic.launcher.job.registry import Registry
+from lightning_elastic.launcher.service.registry import Registry
 from lightning_elastic.launcher.service.rendezvous_server import RendezvousServer
 from lightning_elastic.launcher.service.long_poll import LongPoll
 from lightning_elastic.launcher.service.store_service import MAX_KEYS, MAX_REMEMBERED, KeyValueStore

@@ -28,6 +28,22 @@ from enum import Enum
 from lightning_elastic.launcher.config import MAX_LOST_MEMBER_WAIT
 from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
 from lightning_elastic.launcher.service.long_poll import LongPoll, Signal
+from lightning_elastic.launcher.job.collective_errors import (
+    MAX_ERROR_CHARS,
+    ErrorView,
+    classify_error,
+    normalize_error,
+    repeated_collective_error,
+)
+from lightning_elastic.launcher.job.state import (
+    ROUNDS_KEPT,
+    CheckIn,
+    JobState,
+    RoundBreak,
+    RoundInfo,
+    WorkerRecord,
+    WorkerState,
+)
 from lightning_elastic.protocol import (
     Assignment,
     HeartbeatReply,
@@ -47,32 +63,6 @@ from lightning_elastic.protocol import (
 
 log = logging.getLogger("lightning_elastic.driver")
 
-# An error is compared by its first characters (numbers masked): the worker sends its last
-# traceback line, and nothing from the network is kept unbounded.
-MAX_ERROR_CHARS = 500
-
-
-class WorkerState(str, Enum):
-    """Life cycle of a worker, as the driver sees it.
-
-    STARTING -> WAITING (asked for a round) -> MEMBER (in the current round) -> WAITING ...
-    and finally DONE (reported that training returned, then exited), REMOVED (left because
-    its slot was taken out of the job, or was stopped by the driver) or FAILED (exited
-    without reporting success, or was killed as wedged).
-    """
-
-    STARTING = "starting"
-    WAITING = "waiting"
-    MEMBER = "member"
-    DONE = "done"
-    REMOVED = "removed"
-    FAILED = "failed"
-
-    @property
-    def finished(self) -> bool:
-        # Identity, not ``in (...)``: an Enum's __eq__/__hash__ are Python-level, and the
-        # driver asks this of every worker several times per decision.
-        return self is WorkerState.DONE or self is WorkerState.REMOVED or self is WorkerState.FAILED
 
 
 class UnknownWorker(LookupError):
@@ -85,77 +75,14 @@ class UnknownWorker(LookupError):
         self.ended = ended
 
 
-@dataclasses.dataclass
-class WorkerRecord:
-    worker_id: str
-    slot: SlotKey
-    started_at: float
-    state: WorkerState = WorkerState.STARTING
-    assignment: Assignment | None = None
-    arrived_after_round: int | None = None  # set while it waits at the rendezvous
-    waiting_since: float | None = None
-    last_heartbeat: float | None = None
-    asking_round: int | None = None  # set while it asks whether its round lost a member
-    report: Report | None = None
-    # When its report arrived: it stops heartbeating to exit then, and --exit-timeout, not
-    # the heartbeat timeout, bounds the exit (the group's teardown, the interpreter's end).
-    reported_at: float | None = None
-    leave: bool = False  # answer EXIT at its next rendezvous
-    departing: str = ""  # why it asked to leave (a preemption notice): its slot is vacant
-    # The driver is stopping it (SIGTERM, or SIGKILL for a wedged one): SIGKILL at this time.
-    stop_deadline: float | None = None
-    kill_reason: str = ""  # why the driver killed or stopped it: part of its failure
-    failure: str = ""  # how it failed ("worker ID <how>"), once it has
-    standby: bool = False  # a hot spare (--spares): waits at the rendezvous, in no round
-    joined: bool = False  # has reached the rendezvous at least once (le.init() ran)
-    exit_status: int | None = None
-    # Durable snapshots it wrote and failed to write, and the newest failure (heartbeats).
-    snapshots: tuple[int, int, str] = (0, 0, "")
-    # Its pending requests wait on this: fired when their answers may have changed.
-    wake: Signal = dataclasses.field(default_factory=Signal, repr=False, compare=False)
-
-    @property
-    def stopping(self) -> bool:
-        return self.stop_deadline is not None
-
-    @property
-    def reported_done(self) -> bool:
-        return self.report is not None and self.report.outcome == Outcome.DONE
-
-    @property
-    def rank(self) -> int | None:
-        return self.assignment.rank if self.assignment and self.state == WorkerState.MEMBER else None
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundInfo:
-    number: int
-    members: tuple[str, ...]  # worker ids in rank order
-    generation: int
-    slots: tuple[SlotKey, ...] = ()  # the members' slots, in rank order
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundBreak:
-    """How a round ended early: the first fact that broke it."""
-
-    round: int
-    slots: tuple[SlotKey, ...]  # the round's members
-    cause: str  # for the log and the verdict
-    error: str = ""  # the collective error a member left the round with; "" when a member was lost
-    commits: int = 0  # commits the round made before the error
-
-
-# Facts kept per round (its break, its first step, its verdicts) for this many rounds back:
-# a job of weeks with a host that keeps failing forms thousands of rounds, and a break of a
-# round of 4,096 holds its 4,096 slots. Nothing asks about a round this old.
-ROUNDS_KEPT = 64
-
-
 class Registry:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, repeated_error_limit: int = 3) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, repeated_error_limit: int = 3,
+                 state: JobState | None = None) -> None:
         self._clock = clock
         self._repeated_error_limit = repeated_error_limit
+        self.state = state if state is not None else JobState()
+        if repeated_error_limit > ROUNDS_KEPT:
+            self.state.breaks = collections.deque(self.state.breaks, maxlen=repeated_error_limit)
         # One lock for the driver loop and every request. ``cond`` is the driver loop's, woken
         # by what the driver acts on; requests wait on their worker's own signal.
         self._lock = threading.RLock()
@@ -170,44 +97,17 @@ class Registry:
         # Bumped by every report, noted or not: a report that needs no decision (see
         # ``report``) still belongs in the state a --state-dir driver saves.
         self.reports = 0
-        # The round in which a member first reported that training returned: later DONE
-        # reports of that round decide nothing until their worker exits.
-        self._returned_in: int | None = None
-        self.workers: dict[str, WorkerRecord] = {}
-        self.round: RoundInfo | None = None
-        self.generation = 0
-        self.broken_rounds: set[int] = set()
-        # In round order; the newest ROUNDS_KEPT (or the repeated-error limit, if more).
-        self.breaks: collections.deque[RoundBreak] = collections.deque(maxlen=max(ROUNDS_KEPT, repeated_error_limit))
-        # Round -> the earliest first training step any member reported in it (wall clock).
-        self.first_steps: dict[int, float] = {}
-        # Set once the same collective error has ended too many rounds: the job's end.
-        self.repeated_error: str | None = None
-        self.closing = False  # the driver is shutting down: no graceful leaves any more
-        # Rounds in which every live member once asked round_lost at the same time: the same
-        # error everywhere is the user's own. Sticky, so members answered later agree.
-        self.user_error_rounds: set[int] = set()
-        # Round -> the errors (normalized) of members told their error is their own: they
-        # are leaving it. A later asker with the same error has it too (everyone's error,
-        # raised a little later); one with another error lost that member. Current and
-        # previous round only.
-        self._own_errors: dict[int, set[str]] = {}
         # The one asker whose round's other members are called in to show they are alive
         # (see round_lost_poll), and when the latest call-in began: a heartbeat parked
         # before then answers at once, so that its worker sends a fresh one.
         self._checking: CheckIn | None = None
         self._called_in_at = float("-inf")
-        # An adopting driver's only (None otherwise): the (round, generation) its predecessor
-        # may have announced unsaved (``JobState.reserved_*``); once a worker shows it knows
-        # more than the saved round (``_note_ahead``), the next ones are numbered past them.
-        self.reserved: tuple[int, int] | None = None
-        self._round_floor = 0
 
     # ----- driver side (call with self.cond held) -------------------------------------
 
     def add_worker(self, worker_id: str, slot: SlotKey) -> WorkerRecord:
-        record = WorkerRecord(worker_id, slot, started_at=self._clock())
-        self.workers[worker_id] = record
+        record = WorkerRecord(worker_id, slot, started_at=self._clock(), wake=Signal())
+        self.state.workers[worker_id] = record
         self.note_change()
         return record
 
@@ -218,7 +118,7 @@ class Registry:
 
     def wake_all(self) -> None:
         """Wake every pending request and the driver loop (the driver is stopping)."""
-        for record in self.workers.values():
+        for record in self.state.workers.values():
             record.wake.fire()
         self.cond.notify_all()
 
@@ -235,59 +135,55 @@ class Registry:
         self.cond.notify_all()
 
     def _fire_live(self) -> None:
-        for record in self.workers.values():
+        for record in self.state.workers.values():
             if not record.state.finished:
                 record.wake.fire()
 
     def _fire_askers(self) -> None:
         for worker_id in self._asking:
-            self.workers[worker_id].wake.fire()
+            self.state.workers[worker_id].wake.fire()
 
     def forget_finished(self, keep: set[str]) -> list[str]:
         """Drop the records of finished workers outside ``keep`` (the round just formed);
         their ids, for the caller's own tables. A job replacing workers for weeks would
         otherwise hold, and scan on every tick, every worker it ever started. A request
         still in flight from one (it exited) is then refused as from an unknown worker."""
-        gone = [w for w, record in self.workers.items() if record.state.finished and w not in keep]
+        gone = [w for w, record in self.state.workers.items() if record.state.finished and w not in keep]
         for worker_id in gone:
-            del self.workers[worker_id]
+            del self.state.workers[worker_id]
             self._asking.discard(worker_id)
         return gone
 
     def live_workers(self) -> list[WorkerRecord]:
-        return [w for w in self.workers.values() if not w.state.finished]
+        return self.state.live_workers()
 
     def bump_generation(self) -> int:
-        self.generation += 1
+        self.state.generation += 1
         self.note_change()
         self._fire_live()  # every heartbeat long poll answers at once
-        return self.generation
+        return self.state.generation
 
     def mark_round_broken(self, number: int, cause: str = "a member was lost", error: str = "", commits: int = 0) -> bool:
         """Record that round ``number`` lost a member; False if it was already broken."""
-        if number in self.broken_rounds:
+        if number in self.state.broken_rounds:
             return False
-        self.broken_rounds.add(number)
-        slots = self.round.slots if self.round is not None and self.round.number == number else ()
-        self.breaks.append(RoundBreak(number, slots, cause, error, commits))
+        self.state.broken_rounds.add(number)
+        slots = self.state.round.slots if self.state.round is not None and self.state.round.number == number else ()
+        self.state.breaks.append(RoundBreak(number, slots, cause, error, commits))
         log.info("Round %d is broken: %s.", number, cause)
-        if self.repeated_error is None:
-            self.repeated_error = repeated_collective_error(list(self.breaks), self._repeated_error_limit)
+        if self.state.repeated_error is None:
+            self.state.repeated_error = repeated_collective_error(list(self.state.breaks), self._repeated_error_limit)
         self.note_change()
         self._fire_live()  # heartbeats and round-lost verdicts answer at once
         return True
 
     def current_member(self, record: WorkerRecord) -> bool:
-        # By its assignment, not ``in self.round.members``: a scan of the members on every
-        # arrival made re-forming thousands of workers quadratic.
-        a = record.assignment
-        return (self.round is not None and record.state == WorkerState.MEMBER and a is not None
-                and a.round == self.round.number)
+        return self.state.current_member(record)
 
     def form_round(
         self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]
     ) -> RoundInfo:
-        number = max(self.round.number if self.round else 0, self._round_floor) + 1
+        number = max(self.state.round.number if self.state.round else 0, self.state.round_floor) + 1
         for record, slot in members:
             record.assignment = Assignment(
                 round=number,
@@ -300,34 +196,34 @@ class Registry:
                 hostname=slot.slot.host,
                 store_host=store[0],
                 store_port=store[1],
-                generation=self.generation,
+                generation=self.state.generation,
             )
             record.state = WorkerState.MEMBER
             record.arrived_after_round = None
             record.waiting_since = None
-        self.round = RoundInfo(
-            number, tuple(r.worker_id for r, _ in members), self.generation, tuple(r.slot for r, _ in members)
+        self.state.round = RoundInfo(
+            number, tuple(r.worker_id for r, _ in members), self.state.generation, tuple(r.slot for r, _ in members)
         )
-        for old in [r for r in self._own_errors if r < number - 1]:
-            del self._own_errors[old]
+        for old in [r for r in self.state.own_errors if r < number - 1]:
+            del self.state.own_errors[old]
         self._forget_rounds_before(number - ROUNDS_KEPT)
         self.note_change()
         for record, _ in members:
             record.wake.fire()
         self._fire_askers()  # asking about the previous round: "all members asking" changed
-        return self.round
+        return self.state.round
 
     def _forget_rounds_before(self, oldest: int) -> None:
         """Per-round facts stay bounded over a job of weeks (``breaks`` is a bounded deque)."""
-        self.broken_rounds = {n for n in self.broken_rounds if n >= oldest}
-        self.user_error_rounds = {n for n in self.user_error_rounds if n >= oldest}
-        for n in [n for n in self.first_steps if n < oldest]:
-            del self.first_steps[n]
+        self.state.broken_rounds = {n for n in self.state.broken_rounds if n >= oldest}
+        self.state.user_error_rounds = {n for n in self.state.user_error_rounds if n >= oldest}
+        for n in [n for n in self.state.first_steps if n < oldest]:
+            del self.state.first_steps[n]
 
     # ----- service side: each call records, then waits (bounded) for the driver -------
 
     def _get(self, worker_id: str) -> WorkerRecord:
-        record = self.workers.get(worker_id)
+        record = self.state.workers.get(worker_id)
         if record is None or record.state.finished:
             raise UnknownWorker(f"unknown or finished worker {worker_id!r}", ended=record is not None)
         return record
@@ -383,12 +279,12 @@ class Registry:
         Its peers cannot complete a collective without it (say its own collective timed
         out): for them it is lost, exactly as if it had exited.
         """
-        current = self.round
+        current = self.state.round
         if (
             current is not None
             and after_round == current.number
             and self.current_member(record)
-            and self.generation == current.generation
+            and self.state.generation == current.generation
             and not record.leave
         ):
             self.mark_round_broken(current.number, f"worker {record.worker_id} left round {current.number}")
@@ -405,17 +301,17 @@ class Registry:
         round numbers and generations jump past every one the predecessor may have used
         (``reserved``, and what the worker said): the workers re-form, as after a lost member.
         """
-        if self.reserved is None:  # not adopted: every round and generation is this registry's own
+        if self.state.reserved is None:  # not adopted: every round and generation is this registry's own
             return
-        current = self.round.number if self.round is not None else 0
-        if generation <= self.generation and round_number <= max(current, self._round_floor):
+        current = self.state.round.number if self.state.round is not None else 0
+        if generation <= self.state.generation and round_number <= max(current, self.state.round_floor):
             return
         log.warning("Worker %s knows round %d / generation %d, newer than this driver's saved round %d / "
                     "generation %d: the previous driver died before saving them; the workers re-form.",
-                    record.worker_id, round_number, generation, current, self.generation)
-        self._round_floor = max(self._round_floor, current, round_number, self.reserved[0])
-        self.generation = max(self.generation, generation, self.reserved[1])
-        if self.round is not None:
+                    record.worker_id, round_number, generation, current, self.state.generation)
+        self.state.round_floor = max(self.state.round_floor, current, round_number, self.state.reserved[0])
+        self.state.generation = max(self.state.generation, generation, self.state.reserved[1])
+        if self.state.round is not None:
             self.mark_round_broken(current, f"the previous driver's last change was not saved "
                                             f"(worker {record.worker_id} knows round {round_number})")
         self.bump_generation()
@@ -436,24 +332,24 @@ class Registry:
             arrived = record.last_heartbeat = self._clock()
             checking = self._checking
             if checking is not None and record.assignment is not None and record.assignment.round == checking.round:
-                asker = self.workers.get(checking.asker)
+                asker = self.state.workers.get(checking.asker)
                 if asker is not None:
                     asker.wake.fire()  # one more of its peers may have shown it is alive
             if request.snapshots_written or request.snapshots_failed:
                 record.snapshots = (request.snapshots_written, request.snapshots_failed, request.snapshot_error[:200])
             if request.stepped_round > 0:
-                known = self.first_steps.get(request.stepped_round)
+                known = self.state.first_steps.get(request.stepped_round)
                 if known is None or request.stepped_at < known:
-                    self.first_steps[request.stepped_round] = request.stepped_at
+                    self.state.first_steps[request.stepped_round] = request.stepped_at
                     self.note_change()  # for the timeline
 
         def answer(final: bool) -> HeartbeatReply | None:
             # Answer early on a broken round too: a member blocked in a collective on a dead
             # peer (NCCL often hangs rather than fails) learns it a long poll sooner.
-            broken = max(self.broken_rounds, default=0)
-            if (final or self.generation > request.known_generation or broken > request.known_broken_round
+            broken = max(self.state.broken_rounds, default=0)
+            if (final or self.state.generation > request.known_generation or broken > request.known_broken_round
                     or arrived < self._called_in_at):  # called in: the next heartbeat shows it alive
-                return HeartbeatReply(self.generation, broken)
+                return HeartbeatReply(self.state.generation, broken)
             return None
 
         return self._poll(answer, record, min(request.wait_seconds, RENDEZVOUS_POLL))
@@ -476,7 +372,7 @@ class Registry:
             now = record.last_heartbeat = self._clock()
             if self._all_members_asking(request.round):
                 self._fire_askers()  # the others' answer changed: the same error everywhere
-            current = self.round.number if self.round is not None else 0
+            current = self.state.round.number if self.state.round is not None else 0
             if request.collective and request.round == current:
                 self.mark_round_broken(
                     request.round,
@@ -488,19 +384,19 @@ class Registry:
                 self._call_in(record, request.round, now)
 
         def answer(final: bool) -> RoundLostReply | None:
-            broken = request.round in self.broken_rounds
+            broken = request.round in self.state.broken_rounds
             # O(members): not asked of a broken round, whose answer does not need it (at
             # thousands of members, every one asks about the same broken round at once).
             all_asking = not broken and self._all_members_asking(request.round)
-            own = self._own_errors.get(request.round, ())
+            own = self.state.own_errors.get(request.round, ())
             alike = bool(key) and key in own
             checking = self._checking
             view = ErrorView(
                 broken=broken,
-                judged_own=request.round in self.user_error_rounds,
+                judged_own=request.round in self.state.user_error_rounds,
                 all_members_asking=all_asking,
                 collective=request.collective,
-                repeated_error=self.repeated_error,
+                repeated_error=self.state.repeated_error,
                 waited_out=final,
                 failed_alike=alike,
                 failed_other=bool(own) and not alike,
@@ -510,11 +406,11 @@ class Registry:
             reply = classify_error(view)
             if reply is not None and all_asking and not reply.lost and not request.collective:
                 # Sticky, so members answered later agree.
-                self.user_error_rounds.add(request.round)
+                self.state.user_error_rounds.add(request.round)
                 self._fire_askers()
             if reply is not None and not reply.lost and not request.collective:
                 # It leaves the round now: other askers' answers changed (see _own_errors).
-                self._own_errors.setdefault(request.round, set()).add(key)
+                self.state.own_errors.setdefault(request.round, set()).add(key)
                 self._fire_askers()
             return reply
 
@@ -530,7 +426,7 @@ class Registry:
         """A worker got a preemption notice: let it leave at its next check, or not."""
         with self.cond:
             record = self._get(request.worker_id)
-            if self.closing or record.stopping or record.reported_done:
+            if self.state.closing or record.stopping or record.reported_done:
                 return LeaveReply(False)
             record.departing = request.reason or "preempted"
             record.leave = True
@@ -542,8 +438,8 @@ class Registry:
         unbroken round, before any member of it was told its error is its own (the answer
         then no longer needs it), and one asker at a time: at thousands of members, each
         call-in costs a heartbeat from every one of them."""
-        return (self._checking is None and self.round is not None and self.round.number == number
-                and number not in self.broken_rounds and number not in self._own_errors)
+        return (self._checking is None and self.state.round is not None and self.state.round.number == number
+                and number not in self.state.broken_rounds and number not in self.state.own_errors)
 
     def _call_in(self, record: WorkerRecord, number: int, now: float) -> None:
         """Ask every other live member of round ``number`` for a heartbeat now: one that
@@ -551,9 +447,9 @@ class Registry:
         not a consequence of that member's loss."""
         self._checking = CheckIn(record.worker_id, number, now)
         self._called_in_at = now
-        assert self.round is not None
-        for worker_id in self.round.members:
-            member = self.workers.get(worker_id)
+        assert self.state.round is not None
+        for worker_id in self.state.round.members:
+            member = self.state.workers.get(worker_id)
             if member is not None and member is not record and not member.state.finished:
                 member.wake.fire()
 
@@ -561,11 +457,11 @@ class Registry:
         """Has every other live member of the checked round sent a request since the
         question? Members stay shown alive, so the scan resumes where it stopped: O(members)
         for the whole wait, however many heartbeats wake it."""
-        if self.round is None or self.round.number != checking.round:
+        if self.state.round is None or self.state.round.number != checking.round:
             return False
-        members = self.round.members
+        members = self.state.round.members
         while checking.cursor < len(members):
-            member = self.workers.get(members[checking.cursor])
+            member = self.state.workers.get(members[checking.cursor])
             if not (member is None or member.state.finished or member.worker_id == checking.asker
                     or (member.last_heartbeat is not None and member.last_heartbeat > checking.since)):
                 return False
@@ -573,12 +469,12 @@ class Registry:
         return True
 
     def _all_members_asking(self, number: int) -> bool:
-        if self.round is None or self.round.number != number:
+        if self.state.round is None or self.state.round.number != number:
             return False
         # A generator: stops at the first member not asking, so asking it as each of
         # thousands of members arrives costs about N log N in all, not N squared.
-        workers = self.workers
-        return all(m.asking_round == number for m in (workers[w] for w in self.round.members) if not m.state.finished)
+        workers = self.state.workers
+        return all(m.asking_round == number for m in (workers[w] for w in self.state.round.members) if not m.state.finished)
 
     def report(self, report: Report) -> None:
         with self.cond:
@@ -590,100 +486,16 @@ class Registry:
                 record.snapshots = (report.snapshots_written, report.snapshots_failed, report.snapshot_error[:200])
             self.reports += 1
             if report.outcome == Outcome.DONE and self.current_member(record):
-                number = self.round.number  # type: ignore[union-attr]
-                if self._returned_in == number:
+                number = self.state.round.number  # type: ignore[union-attr]
+                if self.state.returned_in == number:
                     # Training had already returned in this round: the driver decides again
                     # when this worker exits (its reap wakes it), not now. At the end of a
                     # job of thousands, a decision pass per DONE, each under this lock,
                     # took seconds while the reports queued behind them.
                     return
-                self._returned_in = number
+                self.state.returned_in = number
             self.note_change()
 
 
 def outcome_of(record: WorkerRecord) -> Outcome | None:
     return record.report.outcome if record.report else None
-
-
-def normalize_error(text: str) -> str:
-    """An error message with its numbers masked: ports, addresses and times differ between rounds."""
-    return re.sub(r"0x[0-9a-fA-F]+|[0-9]+", "#", text).strip()
-
-
-def repeated_collective_error(breaks: Sequence[RoundBreak], limit: int) -> str | None:
-    """The job-ending message when the last ``limit`` rounds all ended with the same
-    collective error, among the same members, without a single commit; else None.
-
-    A lost peer ends a round too, but costs a host (it is blacklisted), so it cannot repeat
-    without bound; a collective error without an exit can. ``limit`` 0 turns this off.
-    """
-    if limit <= 0 or len(breaks) < limit:
-        return None
-    last = breaks[-limit:]
-    first = last[0]
-    key = normalize_error(first.error)
-    for previous, current in zip(last, last[1:]):
-        if current.round != previous.round + 1:
-            return None
-    if not first.error or any(
-        not b.error or normalize_error(b.error) != key or b.slots != first.slots or b.commits for b in last
-    ):
-        return None
-    return (
-        f"the same collective error ended {limit} consecutive rounds ({first.round}-{last[-1].round}) "
-        f"with no commit in between: {last[-1].error}"
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorView:
-    """What the driver knows when a member asks about an error it caught in its round."""
-
-    broken: bool  # the round lost a member: one exited, was killed, left, or had a collective error
-    judged_own: bool  # every live member once asked at the same time: the same error everywhere
-    all_members_asking: bool  # every live member of the round is asking now
-    collective: bool  # the asker's error is a collective failure by its type
-    repeated_error: str | None  # the same collective error ended too many rounds
-    waited_out: bool  # the asker's bounded wait is over
-    # A member of the round was told its error is its own, the same error as the asker's
-    # (numbers aside): the asker raised it too, only later.
-    failed_alike: bool = False
-    # ... a different error: that member is leaving the round, which is lost to the asker.
-    failed_other: bool = False
-    # Every other live member sent a request after the asker's question: none was lost
-    # when the asker raised.
-    others_alive: bool = False
-
-
-def classify_error(view: ErrorView) -> RoundLostReply | None:
-    """The answer to a member's error, or None to wait for more facts.
-
-    "Lost" (recover from the last commit) when the round is broken, or a member of it was
-    told its own, different, error is its own (it is leaving); a collective error broke the
-    round itself, so it is recovered from unless it keeps repeating. "Own error" when every
-    live member asks (the same error everywhere: the user's), when a member already failed
-    with the same error (the same, raised a little later), when every other member showed
-    it is alive after the question (no peer was lost: peers that raise the same error later
-    are caught by the previous rule), else after the wait.
-    """
-    if view.collective:
-        if view.repeated_error is not None:
-            return RoundLostReply(False, view.repeated_error)
-        return RoundLostReply(True)
-    if view.judged_own or view.failed_alike:
-        return RoundLostReply(False)
-    if view.broken or view.failed_other:
-        return RoundLostReply(True)
-    if view.all_members_asking or view.others_alive or view.waited_out:
-        return RoundLostReply(False)
-    return None
-
-
-@dataclasses.dataclass
-class CheckIn:
-    """An asker's call-in: the other members of ``round`` show they are alive after ``since``."""
-
-    asker: str
-    round: int
-    since: float
-    cursor: int = 0  # members before it (in rank order) are shown alive or finished
