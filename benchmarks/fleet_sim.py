@@ -28,6 +28,27 @@ simulated workers speaking the real signed protocol run in this process, pinned 
 
 A phase that does not finish within ``--bound`` seconds is reported as not reached, with
 the driver's last log lines. Prints a Markdown table; every figure goes to ``--out``.
+
+Several drivers side by side, in one run (``--checkouts``)::
+
+    .venv/bin/python benchmarks/fleet_sim.py --workers 1024,4096 --repeats 2 --bound 120 --steady 10 \
+        --somaxconn 16384 --store-patterns "" --checkouts before=/work/wt-bench-before,after=. --out ...
+
+For each N, each repeat runs the driver of every checkout once, in the order given
+(before, after, before, after, ... with ``--repeats 2``), every other setting equal. Only
+the driver process comes from a checkout: its own ``benchmarks/fleet/driver_process.py``
+(this tree's if it has none), started through ``benchmarks/fleet/checkout_bootstrap.py``,
+which puts a finder first on ``sys.meta_path`` so that ``lightning_elastic`` and
+``benchmarks``, and ``lightning_elastic.launcher`` as the checkout's pyproject.toml maps it
+(its ``launcher/`` folder), are imported from that checkout and from nowhere else (a
+``PYTHONPATH`` would not map ``launcher/``, and the venv's editable install would answer
+for this tree). The simulated workers, the interpreter and the venv's other packages are
+this tree's. The interface is the driver process's: the arguments above, the log lines
+``driver process ready at T`` and ``Every adopted worker reached this driver T s after its
+start`` on stderr, the job's result as the last JSON line on stdout; a checkout whose
+driver's API changed adapts its own ``driver_process.py``. The tables get a ``checkout``
+column, and a last table gives each N and checkout's medians (min-max) over its runs
+(also printed with ``--repeats`` alone); ``--out`` records each checkout's path and commit.
 """
 
 from __future__ import annotations
@@ -35,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -57,8 +79,49 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.fleet.gc_pauses import GcPauses  # noqa: E402
 from benchmarks.fleet.simulated_workers import Simulator  # noqa: E402
 
-DRIVER = ROOT / "benchmarks" / "fleet" / "driver_process.py"
+DRIVER_PROCESS = Path("benchmarks") / "fleet" / "driver_process.py"
+DRIVER = ROOT / DRIVER_PROCESS
+BOOTSTRAP = ROOT / "benchmarks" / "fleet" / "checkout_bootstrap.py"
 SLOTS_PER_HOST = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkout:
+    """A tree whose driver is measured (``--checkouts NAME=PATH``): its own
+    ``benchmarks/fleet/driver_process.py`` (this tree's if it has none), run through
+    ``fleet/checkout_bootstrap.py`` so that ``lightning_elastic`` and its ``launcher/`` come
+    from PATH."""
+
+    name: str
+    path: Path
+    script: Path
+    commit: str
+    dirty: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Checkout:
+        name, sep, path = text.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH (NAME of letters, digits, _ . -)")
+        root = Path(path).expanduser().resolve()
+        if not (root / "lightning_elastic" / "__init__.py").is_file() or not (root / "launcher").is_dir():
+            raise argparse.ArgumentTypeError(f"{root}: not a checkout of lightning-elastic (no lightning_elastic/, launcher/)")
+        own = root / DRIVER_PROCESS
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=root).stdout.strip()
+        return cls(name, root, own if own.is_file() else DRIVER, git("rev-parse", "HEAD"),
+                   bool(git("status", "--porcelain")))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "path": str(self.path), "git_commit": self.commit, "git_dirty": self.dirty,
+                "driver_script": str(self.script), "own_driver_script": (self.path / DRIVER_PROCESS).is_file()}
+
+
+def parse_checkouts(text: str) -> list[Checkout]:
+    checkouts = [Checkout.parse(item) for item in text.split(",") if item]
+    names = [c.name for c in checkouts]
+    if not checkouts or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: one or more NAME=PATH, each NAME once")
+    return checkouts
 
 
 def listen_overflows() -> int:
@@ -117,20 +180,27 @@ async def store_phase(sim: Simulator, proc: psutil.Process, pattern: str, n: int
 async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: float | None,
                   store_patterns: tuple[str, ...] = (), gloo_max: int = 0,
                   simulator_gc: str = "frozen", outage: float | None = None,
-                  keep_state: bool = False) -> dict[str, Any]:
+                  keep_state: bool = False, checkout: Checkout | None = None, tag: str | None = None,
+                  socket_dir: Path | None = None) -> dict[str, Any]:
+    """One run at N workers. ``checkout``: whose driver process runs (None: this tree's
+    ``driver_process.py``, directly); ``tag`` names the run's files in ``workdir``
+    (``driver-TAG.log``, ``state-TAG``; default N)."""
     sim = Simulator()
     own_gc = GcPauses()
-    control = workdir / f"control-{n}.sock"
+    tag = tag or str(n)
+    control = (socket_dir or workdir) / f"control-{tag}.sock"
     server = await sim.serve(str(control))
-    log_path = workdir / f"driver-{n}.log"
+    log_path = workdir / f"driver-{tag}.log"
     overflows_before = listen_overflows()
-    state_dir = None if outage is None and not keep_state else workdir / f"state-{n}"
+    state_dir = None if outage is None and not keep_state else workdir / f"state-{tag}"
     log_path.write_bytes(b"")
+    # Only the driver process differs between checkouts: the same arguments, the same CPU.
+    program = [str(DRIVER)] if checkout is None else [str(BOOTSTRAP), str(checkout.path), str(checkout.script)]
 
     async def spawn_driver() -> asyncio.subprocess.Process:
         with open(log_path, "ab") as log:  # a restarted driver logs after its predecessor
             return await asyncio.create_subprocess_exec(
-                sys.executable, str(DRIVER), "--workers", str(n), "--slots-per-host", str(SLOTS_PER_HOST),
+                sys.executable, *program, "--workers", str(n), "--slots-per-host", str(SLOTS_PER_HOST),
                 "--control", str(control), *(["--heartbeat-interval", str(interval)] if interval else []),
                 *(["--state-dir", str(state_dir)] if state_dir else []),
                 stdout=asyncio.subprocess.PIPE, stderr=log,
@@ -140,6 +210,8 @@ async def run_one(n: int, steady: float, bound: float, workdir: Path, interval: 
     driver = await spawn_driver()
     proc = psutil.Process(driver.pid)
     result: dict[str, Any] = {"workers": n, "heartbeat_interval": interval}
+    if checkout is not None:
+        result["checkout"] = checkout.name
     try:
         # First round: every worker assigned round 1.
         formed = await wait_until(lambda: len(sim.assigned.get(1, {})) == n, bound, driver)
@@ -309,13 +381,21 @@ async def restart_driver(sim: Simulator, driver: asyncio.subprocess.Process, spa
     return driver
 
 
+def checkout_cells(results: list[dict[str, Any]]) -> tuple[str, str, Any]:
+    """The ``checkout`` column's header, separator and cell, if any run names one."""
+    if not any("checkout" in r for r in results):
+        return "", "", lambda r: ""
+    return " checkout |", " --- |", lambda r: f" {r.get('checkout', '—')} |"
+
+
 def adoption_table(results: list[dict[str, Any]]) -> str:
-    rows = ["| workers | outage | process start -> imports done | driver start -> every adopted worker's first request "
+    head, line, cell = checkout_cells(results)
+    rows = [f"| workers |{head} outage | process start -> imports done | driver start -> every adopted worker's first request "
             "| new driver's CPU to then | refused connections in the outage | workers disowned | round after |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            f"| --- |{line} --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if "adoption_outage_s" in r:
-            rows.append(f"| {r['workers']} | {r['adoption_outage_s']:g} s | {fmt(r.get('adoption_process_start_s'))} s "
+            rows.append(f"| {r['workers']} |{cell(r)} {r['adoption_outage_s']:g} s | {fmt(r.get('adoption_process_start_s'))} s "
                         f"| {fmt(r.get('adoption_s'))} s | {fmt(r.get('adoption_driver_cpu_s'))} s "
                         f"| {r.get('adoption_connection_errors', '—')} | {r.get('adoption_disowned', '—')} "
                         f"| {r.get('adoption_round', '—')} |")
@@ -363,15 +443,16 @@ def fmt(value: Any, spec: str = ".2f", none: str = "not reached") -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| workers | heartbeat interval | first round | re-formed after a loss | CPU while re-forming, driver / simulator "
+    head, line, cell = checkout_cells(results)
+    rows = [f"| workers |{head} heartbeat interval | first round | re-formed after a loss | CPU while re-forming, driver / simulator "
             "| driver CPU, steady | heartbeat overhead p50 / p99 "
             "| driver threads | driver RSS | connection errors (before the end) | listen overflows | false wedged "
             "| GC while re-forming: pauses (full), longest, total | GC over the job: longest, total "
             "| simulator GC while re-forming | the end: DONE reports answered / driver exited |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            f"| --- |{line} --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         rows.append(
-            f"| {r['workers']} | {r.get('heartbeat_interval') or 'default'} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
+            f"| {r['workers']} |{cell(r)} {r.get('heartbeat_interval') or 'default'} | {fmt(r.get('first_round_s'))} s | {fmt(r.get('reform_s'))} s "
             f"| {fmt(100 * r.get('reform_driver_cpu', 0), '.0f')} / {fmt(100 * r.get('reform_simulator_cpu', 0), '.0f')} % "
             f"| {fmt(100 * r['steady_driver_cpu'], '.0f') + ' %' if 'steady_driver_cpu' in r else '—'} "
             f"| {fmt(r.get('heartbeat_overhead_ms_p50'), '.1f', '—')} / {fmt(r.get('heartbeat_overhead_ms_p99'), '.1f', '—')} ms "
@@ -384,19 +465,75 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def spread(values: list[float | None], spec: str = ".2f", unit: str = " s", missing: str = "not reached") -> str:
+    """Median (min-max) of the runs' values; a run without one (a phase not reached) is counted apart."""
+    done = [v for v in values if v is not None]
+    missed = len(values) - len(done)
+    if not done:
+        return missing
+    text = format(statistics.median(done), spec) + unit
+    if len(done) > 1:
+        text += f" ({format(min(done), spec)}-{format(max(done), spec)})"
+    return text + (f", {missed} {missing}" if missed else "")
+
+
+def summary_table(results: list[dict[str, Any]]) -> str:
+    """One row per N, checkout and heartbeat interval: medians (min-max) over its runs."""
+    head, line, cell = checkout_cells(results)
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["workers"], r.get("heartbeat_interval"), r.get("checkout")), []).append(r)
+    adoption = any("adoption_outage_s" in r for r in results)
+    rows = [f"| workers |{head} heartbeat interval | runs | first round | re-formed after a loss "
+            "| DONE reports answered | driver exited | driver CPU, steady | heartbeat overhead p99 "
+            f"| connection errors (before the end) | false wedged | job succeeded |{' adoption |' if adoption else ''}",
+            f"| --- |{line} --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |{' --- |' if adoption else ''}"]
+    for (n, interval, _), runs in groups.items():
+        cpu = [100 * r["steady_driver_cpu"] if "steady_driver_cpu" in r else None for r in runs]
+        rows.append(
+            f"| {n} |{cell(runs[0])} {interval or 'default'} | {len(runs)} "
+            f"| {spread([r.get('first_round_s') for r in runs])} | {spread([r.get('reform_s') for r in runs])} "
+            f"| {spread([r.get('done_reports_s') for r in runs])} | {spread([r.get('finish_s') for r in runs])} "
+            f"| {spread(cpu, '.0f', ' %')} | {spread([r.get('heartbeat_overhead_ms_p99') for r in runs], '.1f', ' ms', 'no heartbeat')} "
+            f"| {sum(r.get('connection_errors_before_end', r['connection_errors']) for r in runs)} "
+            f"| {sum(r['false_wedged'] for r in runs)} "
+            f"| {sum(1 for r in runs if (r.get('job') or {}).get('success'))} of {len(runs)} |"
+            + (f" {spread([r.get('adoption_s') for r in runs])} |" if adoption else ""))
+    return "\n".join(rows)
+
+
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     os.sched_setaffinity(0, {1})  # the driver has CPU 0 to itself
     results = []
+    checkouts: list[Checkout | None] = args.checkouts or [None]
     with tempfile.TemporaryDirectory(prefix="fleet-sim-") as tmp:
-        workdir = args.log_dir or Path(tmp)
+        workdir = args.log_dir.resolve() if args.log_dir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
+        tags: set[str] = set()
         for n in args.workers:
-            for interval in args.heartbeat_intervals:
-                print(f"N = {n}, heartbeat interval {interval or 'default'} ...", file=sys.stderr, flush=True)
-                results.append(await run_one(n, args.steady, args.bound, workdir, interval,
-                                             args.store_patterns, args.gloo_max, args.simulator_gc,
-                                             args.outage if args.adoption else None, args.state_dir))
-                print(json.dumps({k: v for k, v in results[-1].items() if k != "driver_log_tail"}), file=sys.stderr)
+            # Each repeat runs every checkout once, in the order given (before, after, before,
+            # after, ...), every other setting equal: machine noise falls on them alike.
+            for repeat in range(args.repeats):
+                for checkout in checkouts:
+                    for interval in args.heartbeat_intervals:
+                        name = "" if checkout is None else f" {checkout.name} ({checkout.path})"
+                        print(f"N = {n},{name} heartbeat interval {interval or 'default'}, "
+                              f"run {repeat + 1} of {args.repeats} ...", file=sys.stderr, flush=True)
+                        parts = [str(n), *([checkout.name] if checkout else []),
+                                 *([f"hb{interval:g}"] if interval and len(args.heartbeat_intervals) > 1 else [])]
+                        tag = "-".join(parts)
+                        base, k = tag, 2
+                        while tag in tags:  # a repeat, or N given twice in --workers
+                            tag, k = f"{base}-{k}", k + 1
+                        tags.add(tag)
+                        result = await run_one(n, args.steady, args.bound, workdir, interval,
+                                               args.store_patterns, args.gloo_max, args.simulator_gc,
+                                               args.outage if args.adoption else None, args.state_dir,
+                                               checkout=checkout, tag=tag, socket_dir=Path(tmp))
+                        result["repeat"] = repeat + 1
+                        results.append(result)
+                        print(json.dumps({k: v for k, v in result.items() if k != "driver_log_tail"}),
+                              file=sys.stderr)
     return results
 
 
@@ -425,7 +562,9 @@ def main() -> None:
                         type=lambda s: [float(x) if x != "default" else None for x in s.split(",")],
                         help="run each N with each heartbeat interval ('default': the driver's choice)")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--log-dir", type=Path, help="keep the driver's logs (driver-N.log) here")
+    parser.add_argument("--log-dir", type=Path,
+                        help="keep the driver's logs here (driver-N.log; driver-N-CHECKOUT[-K].log with "
+                             "--checkouts, -K for the K-th run of the same)")
     parser.add_argument("--store-patterns", default=("nccl", "nccl-scalable"), metavar="P,P...",
                         type=lambda s: tuple(x for x in s.split(",") if x),
                         help="process-group bootstraps to run through the store after round 1 "
@@ -445,7 +584,17 @@ def main() -> None:
     parser.add_argument("--outage", type=float, default=5.0, help="seconds without a driver (with --adoption)")
     parser.add_argument("--somaxconn", type=int,
                         help="raise the kernel's listen-queue cap (net.core.somaxconn, root) for the run")
+    parser.add_argument("--checkouts", type=parse_checkouts, metavar="NAME=PATH,...",
+                        help="measure the driver of each checkout side by side (e.g. before=/old/tree,after=.): "
+                             "each N runs each checkout's own benchmarks/fleet/driver_process.py with its code "
+                             "as lightning_elastic (the simulated workers stay this tree's); a checkout column "
+                             "in the tables")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each N this many times (with --checkouts: each checkout in turn, "
+                             "before/after/before/after ...); a table of medians follows")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     started = time.time()
     with kernel_listen_cap(args.somaxconn) as somaxconn:
         results = asyncio.run(main_async(args))
@@ -455,12 +604,16 @@ def main() -> None:
     if args.adoption:
         print()
         print(adoption_table(results))
+    if args.checkouts or args.repeats > 1:
+        print()
+        print(summary_table(results))
     if args.out is not None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout)
         args.out.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "argv": sys.argv[1:], "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
+            "checkouts": [c.describe() for c in args.checkouts or []],
             "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(), "results": results,
         }, indent=1))
 
