@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(config, name)
     if name in ("JobResult", "launch"):
-        from lightning_elastic.launcher.driver import driver
+        from lightning_elastic.launcher.driver import launch as driver
 
         return getattr(driver, name)
     raise AttributeError(f"module 'lightning_elastic.launcher' has no attribute {name!r}")

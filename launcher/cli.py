@@ -20,7 +20,7 @@ from lightning_elastic import __version__
 from lightning_elastic.launcher.command import check_command, check_script, with_python
 from lightning_elastic.launcher.config import LaunchConfig, RaySettings, SlurmSettings, SshSettings, Timeouts
 from lightning_elastic.launcher.hosts.discovery import SCRIPT_TIMEOUT
-from lightning_elastic.launcher.driver.driver import launch
+from lightning_elastic.launcher.driver.launch import launch
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.job.slots import HostSlots, count_slots, parse_host_list, parse_hostfile
 from lightning_elastic.launcher.observe.log_writer import BackgroundStreamHandler

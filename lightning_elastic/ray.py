@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_elastic.launcher.config import LaunchConfig, RaySettings
-from lightning_elastic.launcher.driver.driver import Driver, JobResult, run_driver
+from lightning_elastic.launcher.driver.driver import Driver
+from lightning_elastic.launcher.driver.launch import run_driver
+from lightning_elastic.launcher.driver.result import JobResult
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.observe.events import prepare_log_dir
 from lightning_elastic.launcher.processes.output import OutputSink

@@ -11,7 +11,8 @@ import pytest
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.config import LaunchConfig, Timeouts
 from lightning_elastic.launcher.hosts.discovery import FixedHosts
-from lightning_elastic.launcher.driver.driver import REFUSED_HOSTS_KEPT, Driver
+from lightning_elastic.launcher.driver.driver import Driver
+from lightning_elastic.launcher.driver.host_intake import REFUSED_HOSTS_KEPT
 from lightning_elastic.launcher.job.slots import HostSlots, SlotKey
 from lightning_elastic.launcher.job.liveness import Absences
 from tests.unit.launcher.driver.test_driver_spawn import IdleProcess
