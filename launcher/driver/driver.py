@@ -1,17 +1,18 @@
-"""The elastic driver: discovers hosts, starts workers, forms rounds, and decides how the job ends.
+"""The elastic driver's loop: what happened goes into the job's state, decisions come out.
 
-``launch(config)`` runs one job. The driver loop owns every membership decision; the
-discovery poller and the rendezvous service only report to it. Each tick it:
+``Driver`` owns one ``JobState`` (job/state.py) and the lock that guards it (the
+registry's, shared with the rendezvous service). Each turn of ``_loop`` it:
 
-1. takes the latest discovery result and lets cooled-down hosts come back;
-2. reaps exited workers (a worker that exits without reporting success has failed: its slot,
-   or its whole host when the host is bad, is blacklisted and its round is marked broken, so
-   survivors learn it was a lost peer);
-3. kills wedged workers (missed heartbeats, or too slow to arrive at the rendezvous);
-4. asks ``policy.decide_verdict`` whether the job has ended;
-5. plans the target set of slots (oldest hosts first, at most --max-np), starts workers for
-   new slots, and announces the change (a generation bump) once joiners are ready;
-6. forms the next round once every target worker waits at the rendezvous.
+1. takes discovery's newest result and lets cooled-down hosts come back (host_intake.py);
+2. reaps exited workers and classifies each exit (reaping.py, job/exits.py);
+3. when something changed or a timer is due, runs one decision pass (decisions.py): kills
+   wedged workers (job/liveness.py), asks for the verdict (job/verdict.py), plans the target
+   world and announces a change (job/membership.py), forms the next round;
+4. starts the workers the pass planned, with the lock released (starts.py);
+5. saves the state when due (keeping.py, ``--state-dir``).
+
+The lock is held for a whole turn except while workers start; the service takes it per
+request. The parts are mixins of one class by concern, each a module of its own.
 """
 
 from __future__ import annotations
