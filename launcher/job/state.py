@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -184,6 +183,11 @@ class JobState:
     reserved: tuple[int, int] | None = transient(default=None)
     round_floor: int = transient(default=0)
     closing: bool = transient(default=False)  # the driver is shutting down: no graceful leaves any more
+    # Workers with a round-lost request pending (the service's).
+    asking: set[str] = transient(default_factory=set)
+    # Groups of worker ids whose arrival at the rendezvous the loop awaits: an arrival wakes
+    # it only once a whole group has come (see membership.awaited_arrivals); None: every one.
+    awaited: list[set[str]] | None = transient(default=None)
     # --- the world the driver plans ---
     target: list[SlotAssignment] = dataclasses.field(default_factory=list)
     standby: tuple[SlotKey, ...] = ()  # slots of hot spares (--spares)

@@ -17,35 +17,31 @@ once every arrival it awaits has come (``await_arrivals``).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-import re
 import threading
 import time
-from collections.abc import Callable, Sequence
-from enum import Enum
+from collections.abc import Callable
 
 from lightning_elastic.launcher.config import MAX_LOST_MEMBER_WAIT
-from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
-from lightning_elastic.launcher.service.long_poll import LongPoll, Signal
+from lightning_elastic.launcher.job import rounds
 from lightning_elastic.launcher.job.collective_errors import (
     MAX_ERROR_CHARS,
     ErrorView,
     classify_error,
     normalize_error,
-    repeated_collective_error,
 )
+from lightning_elastic.launcher.job.effects import Changed, Effects, Log, Wake, WakeLive
+from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
 from lightning_elastic.launcher.job.state import (
     ROUNDS_KEPT,
     CheckIn,
     JobState,
-    RoundBreak,
     RoundInfo,
     WorkerRecord,
     WorkerState,
 )
+from lightning_elastic.launcher.service.long_poll import LongPoll, Signal
 from lightning_elastic.protocol import (
-    Assignment,
     HeartbeatReply,
     LeaveReply,
     LeaveRequest,
@@ -87,10 +83,6 @@ class Registry:
         # by what the driver acts on; requests wait on their worker's own signal.
         self._lock = threading.RLock()
         self.cond = threading.Condition(self._lock)
-        # Groups of worker ids whose arrival at the rendezvous the driver awaits (see
-        # await_arrivals); None: every arrival wakes the driver.
-        self._awaited: list[set[str]] | None = None
-        self._asking: set[str] = set()  # workers with a round-lost request pending
         # Bumped whenever the driver is notified of a request: the driver re-plans only
         # when it moved (or a timer is due), not on every tick.
         self.changes = 0
@@ -103,23 +95,69 @@ class Registry:
         self._checking: CheckIn | None = None
         self._called_in_at = float("-inf")
 
-    # ----- driver side (call with self.cond held) -------------------------------------
+    # ----- the core's transitions, with their in-memory effects performed at once -------
+    # (call with self.cond held; the decision loop performs the same effects itself)
+
+    def perform(self, fx: Effects) -> None:
+        """Perform what a transition asked for that lives in memory: wakes, the loop's
+        notification, log lines. Other effects (starts, signals) never come from the
+        transitions the service runs."""
+        for effect in fx:
+            kind = type(effect)
+            if kind is Wake:
+                workers = self.state.workers
+                for worker_id in effect.worker_ids:
+                    record = workers.get(worker_id)
+                    if record is not None and record.wake is not None:
+                        record.wake.fire()
+            elif kind is WakeLive:
+                self._fire_live()
+            elif kind is Changed:
+                self.note_change()
+            elif kind is Log:
+                log.log(effect.level, effect.message, *effect.args)
+            else:  # a bug: the service would drop what the core asked for
+                raise TypeError(f"the service cannot perform {effect!r}")
 
     def add_worker(self, worker_id: str, slot: SlotKey) -> WorkerRecord:
-        record = WorkerRecord(worker_id, slot, started_at=self._clock(), wake=Signal())
-        self.state.workers[worker_id] = record
-        self.note_change()
+        fx = Effects()
+        record = rounds.add_worker(self.state, worker_id, slot, self._clock(), fx)
+        record.wake = Signal()
+        self.perform(fx)
         return record
 
+    def bump_generation(self) -> int:
+        fx = Effects()
+        generation = rounds.bump_generation(self.state, fx)
+        self.perform(fx)
+        return generation
+
+    def mark_round_broken(self, number: int, cause: str = "a member was lost", error: str = "", commits: int = 0) -> bool:
+        fx = Effects()
+        broken = rounds.mark_round_broken(self.state, number, cause, fx, error, commits, self._repeated_error_limit)
+        self.perform(fx)
+        return broken
+
+    def form_round(self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]) -> RoundInfo:
+        self.state.address, self.state.port = store
+        fx = Effects()
+        info = rounds.form_round(self.state, members, fx)
+        self.perform(fx)
+        return info
+
+    def forget_finished(self, keep: set[str]) -> list[str]:
+        return rounds.forget_finished(self.state, keep)
+
     def wake(self, record: WorkerRecord) -> None:
-        """The driver changed this worker's fate (told it to leave, stopped or reaped it):
-        its pending requests must look again."""
-        record.wake.fire()
+        """This worker's fate changed (told to leave, stopped, reaped): its pending requests
+        must look again."""
+        if record.wake is not None:
+            record.wake.fire()
 
     def wake_all(self) -> None:
         """Wake every pending request and the driver loop (the driver is stopping)."""
         for record in self.state.workers.values():
-            record.wake.fire()
+            self.wake(record)
         self.cond.notify_all()
 
     def await_arrivals(self, *groups: set[str]) -> None:
@@ -127,7 +165,7 @@ class Registry:
         arrived (the whole target world: a round to form; the joiners: a change to
         announce). At thousands of workers, a decision per arrival would cost the driver
         N decisions of O(N) each. No groups: wake it on every arrival."""
-        self._awaited = [set(g) for g in groups if g] if groups else None
+        self.state.awaited = [set(g) for g in groups if g] if groups else None
 
     def note_change(self) -> None:
         """Something the driver must decide on happened: wake its loop for a decision pass."""
@@ -136,89 +174,18 @@ class Registry:
 
     def _fire_live(self) -> None:
         for record in self.state.workers.values():
-            if not record.state.finished:
+            if not record.state.finished and record.wake is not None:
                 record.wake.fire()
 
     def _fire_askers(self) -> None:
-        for worker_id in self._asking:
-            self.state.workers[worker_id].wake.fire()
-
-    def forget_finished(self, keep: set[str]) -> list[str]:
-        """Drop the records of finished workers outside ``keep`` (the round just formed);
-        their ids, for the caller's own tables. A job replacing workers for weeks would
-        otherwise hold, and scan on every tick, every worker it ever started. A request
-        still in flight from one (it exited) is then refused as from an unknown worker."""
-        gone = [w for w, record in self.state.workers.items() if record.state.finished and w not in keep]
-        for worker_id in gone:
-            del self.state.workers[worker_id]
-            self._asking.discard(worker_id)
-        return gone
+        for worker_id in self.state.asking:
+            self.wake(self.state.workers[worker_id])
 
     def live_workers(self) -> list[WorkerRecord]:
         return self.state.live_workers()
 
-    def bump_generation(self) -> int:
-        self.state.generation += 1
-        self.note_change()
-        self._fire_live()  # every heartbeat long poll answers at once
-        return self.state.generation
-
-    def mark_round_broken(self, number: int, cause: str = "a member was lost", error: str = "", commits: int = 0) -> bool:
-        """Record that round ``number`` lost a member; False if it was already broken."""
-        if number in self.state.broken_rounds:
-            return False
-        self.state.broken_rounds.add(number)
-        slots = self.state.round.slots if self.state.round is not None and self.state.round.number == number else ()
-        self.state.breaks.append(RoundBreak(number, slots, cause, error, commits))
-        log.info("Round %d is broken: %s.", number, cause)
-        if self.state.repeated_error is None:
-            self.state.repeated_error = repeated_collective_error(list(self.state.breaks), self._repeated_error_limit)
-        self.note_change()
-        self._fire_live()  # heartbeats and round-lost verdicts answer at once
-        return True
-
     def current_member(self, record: WorkerRecord) -> bool:
         return self.state.current_member(record)
-
-    def form_round(
-        self, members: list[tuple[WorkerRecord, SlotAssignment]], store: tuple[str, int]
-    ) -> RoundInfo:
-        number = max(self.state.round.number if self.state.round else 0, self.state.round_floor) + 1
-        for record, slot in members:
-            record.assignment = Assignment(
-                round=number,
-                rank=slot.rank,
-                size=slot.size,
-                local_rank=slot.slot.local_rank,
-                local_size=slot.local_size,
-                cross_rank=slot.cross_rank,
-                cross_size=slot.cross_size,
-                hostname=slot.slot.host,
-                store_host=store[0],
-                store_port=store[1],
-                generation=self.state.generation,
-            )
-            record.state = WorkerState.MEMBER
-            record.arrived_after_round = None
-            record.waiting_since = None
-        self.state.round = RoundInfo(
-            number, tuple(r.worker_id for r, _ in members), self.state.generation, tuple(r.slot for r, _ in members)
-        )
-        for old in [r for r in self.state.own_errors if r < number - 1]:
-            del self.state.own_errors[old]
-        self._forget_rounds_before(number - ROUNDS_KEPT)
-        self.note_change()
-        for record, _ in members:
-            record.wake.fire()
-        self._fire_askers()  # asking about the previous round: "all members asking" changed
-        return self.state.round
-
-    def _forget_rounds_before(self, oldest: int) -> None:
-        """Per-round facts stay bounded over a job of weeks (``breaks`` is a bounded deque)."""
-        self.state.broken_rounds = {n for n in self.state.broken_rounds if n >= oldest}
-        self.state.user_error_rounds = {n for n in self.state.user_error_rounds if n >= oldest}
-        for n in [n for n in self.state.first_steps if n < oldest]:
-            del self.state.first_steps[n]
 
     # ----- service side: each call records, then waits (bounded) for the driver -------
 
@@ -229,6 +196,8 @@ class Registry:
         return record
 
     def _poll(self, answer, record: WorkerRecord, timeout: float, finish=lambda: None) -> LongPoll:
+        if record.wake is None:  # its first request: its pending requests wait on this
+            record.wake = Signal()
         return LongPoll(self._lock, answer, record.wake, self._clock() + timeout, self._clock, finish)
 
     def rendezvous(self, request: RendezvousRequest, timeout: float = RENDEZVOUS_POLL) -> RendezvousReply:
@@ -264,10 +233,10 @@ class Registry:
             record.waiting_since = now
         record.arrived_after_round = after_round
         record.state = WorkerState.WAITING if not record.leave else record.state
-        if self._awaited is None:
+        if self.state.awaited is None:
             self.note_change()
             return
-        for group in self._awaited:
+        for group in self.state.awaited:
             if record.worker_id in group:
                 group.discard(record.worker_id)
                 if not group:
@@ -334,7 +303,7 @@ class Registry:
             if checking is not None and record.assignment is not None and record.assignment.round == checking.round:
                 asker = self.state.workers.get(checking.asker)
                 if asker is not None:
-                    asker.wake.fire()  # one more of its peers may have shown it is alive
+                    self.wake(asker)  # one more of its peers may have shown it is alive
             if request.snapshots_written or request.snapshots_failed:
                 record.snapshots = (request.snapshots_written, request.snapshots_failed, request.snapshot_error[:200])
             if request.stepped_round > 0:
@@ -368,7 +337,7 @@ class Registry:
             record = self._get(request.worker_id)
             self._note_ahead(record, round_number=request.round)
             record.asking_round = request.round
-            self._asking.add(record.worker_id)
+            self.state.asking.add(record.worker_id)
             now = record.last_heartbeat = self._clock()
             if self._all_members_asking(request.round):
                 self._fire_askers()  # the others' answer changed: the same error everywhere
@@ -416,7 +385,7 @@ class Registry:
 
         def finish() -> None:
             record.asking_round = None
-            self._asking.discard(record.worker_id)
+            self.state.asking.discard(record.worker_id)
             if self._checking is not None and self._checking.asker == record.worker_id:
                 self._checking = None
 
@@ -451,7 +420,7 @@ class Registry:
         for worker_id in self.state.round.members:
             member = self.state.workers.get(worker_id)
             if member is not None and member is not record and not member.state.finished:
-                member.wake.fire()
+                self.wake(member)
 
     def _others_shown_alive(self, checking: CheckIn) -> bool:
         """Has every other live member of the checked round sent a request since the
