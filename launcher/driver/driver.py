@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from lightning_elastic.launcher.config import LaunchConfig
-from lightning_elastic.launcher.driver.decisions import Decisions
+from lightning_elastic.launcher.driver.executor import Executor
 from lightning_elastic.launcher.driver.gc_policy import ServiceGc
 from lightning_elastic.launcher.driver.host_intake import HostIntake
 from lightning_elastic.launcher.driver.keeping import Keeping
@@ -38,11 +38,12 @@ from lightning_elastic.launcher.driver.starts import _PendingStart
 from lightning_elastic.launcher.errors import ConfigError, LaunchError
 from lightning_elastic.launcher.hosts.discovery import DiscoveryPoller, FixedHosts, HostDiscovery
 from lightning_elastic.launcher.hosts.network import choose_driver_address, unresolved_names_message
-from lightning_elastic.launcher.job import membership
 from lightning_elastic.launcher.job import verdict as policy
 from lightning_elastic.launcher.job.blacklist import HostManager
 from lightning_elastic.launcher.job.liveness import Absences
+from lightning_elastic.launcher.job.rules import Rules
 from lightning_elastic.launcher.job.state import JobState
+from lightning_elastic.launcher.job.step import Turn, step
 from lightning_elastic.launcher.observe.events import EventLog
 from lightning_elastic.launcher.processes.base import WorkerLauncher, WorkerProcess, WorkerSpec
 from lightning_elastic.launcher.processes.exit_watch import ExitWatcher
@@ -59,7 +60,7 @@ class _Stop(Exception):
     """The driver was asked to stop (SIGINT/SIGTERM)."""
 
 
-class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Decisions):
+class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Executor):
     def __init__(
         self,
         config: LaunchConfig,
@@ -97,15 +98,14 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Decisions):
         self._retired: collections.deque[WorkerProcess] = collections.deque(maxlen=256)
         self._gc = ServiceGc(clock)  # no full collection while a round forms (gc_policy.py)
         self._exit_watcher: ExitWatcher | None = None  # wakes the loop at a child's exit (run())
-        self._view: membership.MembershipView | None = None  # this decision pass's snapshot
         self._discovery_seq = 0
-        # A fixed host list never grows; with no cooldown a blacklisted host never returns.
-        self._fixed_hosts = isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None
-        self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
-        # --preload: the launcher that keeps fork servers (WarmStarts.prepare), the hosts
-        # given theirs, and those to give one after the pass.
+        # What the core's rules need besides the state. A fixed host list never grows; with no
+        # blacklist cooldown a blacklisted host never returns.
         self._prepare: Callable[[WorkerSpec], None] | None = getattr(launcher, "prepare", None)
-        self._prepared: set[str] = set()
+        self._rules = Rules(config, fixed_hosts=isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None,
+                            prepare_hosts=self._prepare is not None)
+        self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
+        # --preload: fork servers to start after the pass (WarmStarts.prepare).
         self._pending_prepares: list[WorkerSpec] = []
         self._refused_hosts: set[str] = set()
         self._stop_requested = threading.Event()
@@ -114,8 +114,7 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Decisions):
         self._started_at = clock()
         self._resume: snapshots.Resume | None = None  # chosen at the start of run()
         # The driver's own pauses (Ctrl-Z, a suspended machine) are nobody's silence (job/liveness.py).
-        t = config.timeouts
-        self._absences = Absences.starting(self._started_at, t.heartbeat_period)
+        self._state.absences = Absences.starting(self._started_at, config.timeouts.heartbeat_period)
 
     def request_stop(self, signame: str) -> None:
         self._stop_signal = signame
@@ -180,16 +179,20 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Decisions):
         return self._result(verdict, refused)
 
     def _loop(self) -> policy.Verdict:
-        """Every tick, reap exits; re-decide only when something changed.
+        """Every turn, feed the core what happened; decide only when something changed.
 
-        A decision pass looks at every worker (O(N)); at thousands of workers, one per tick
-        would cost the driver most of a core. So a pass runs when a request told the
-        driver something (``Registry.changes``), a process exited, discovery or a blacklist
-        cooldown changed the hosts, the last pass acted, or every ``decide_every`` seconds
-        while a decision waits on time alone. Wedged workers and the exit timeout are
-        checked every ``decide_every`` seconds in any case.
+        A decision pass looks at every worker (O(N)); at thousands of workers, one per turn
+        would cost the driver most of a core. So a pass runs when a request told the driver
+        something (``Registry.changes``), a process exited, discovery or a blacklist cooldown
+        changed the hosts, the last pass acted, or every ``decide_every`` seconds while a
+        decision waits on time alone (``job/step.py``). Wedged workers and the exit timeout
+        are checked every ``decide_every`` seconds in any case.
+
+        The lock (the registry's ``cond``) is held for the whole turn except while workers
+        start (``_start_pending`` releases it: a start may take seconds).
         """
         reg = self._registry
+        state = self._state
         decide_every = self._config.timeouts.decide_every
         seen = -1
         saved_reports = reg.reports
@@ -203,29 +206,33 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Decisions):
                 self._turn(now)
                 if self._adoption_watch is not None:
                     self._adoption_progress(now)
-                changed = self._take_discovery()
-                changed = bool(self._state.hosts.tick()) or changed
-                changed = self._reap(now) or changed
-                if changed or reg.changes != seen or (now >= next_pass and self._timers_pending(now)):
-                    dirty = changed or reg.changes != seen
-                    seen = reg.changes
+                requests_changed = reg.changes != seen
+                timer_due = now >= next_pass
+                result = step(state, Turn(now, self._poll_exits(), self._take_discovery(), requests_changed,
+                                          timer_due), self._rules)
+                if result.decided:
+                    dirty = result.observed_change or requests_changed
+                    seen = reg.changes  # what the pass itself changes is decided on next turn
                     next_pass = now + decide_every
-                    verdict = self._decide(now)
+                    verdict = self._perform(result.effects)
+                    self._events.observe(state.breaks, state.first_steps, state.round.number if state.round else 0)
+                    if state.reset_pending_since is not None:
+                        self._gc.reforming()  # no collection while the members come back (gc_policy.py)
                     if verdict is not None:
                         return verdict  # workers planned in that pass are never started
                     before_start = reg.changes
                     self._start_pending()
                     # The start released the lock: a request that changed something meanwhile
-                    # notified nobody, and waiting a tick for it would delay (say) the round
-                    # the survivors of a fault came back for by a whole tick.
+                    # notified nobody, and waiting a turn for it would delay (say) the round
+                    # the survivors of a fault came back for by a whole turn.
                     missed = reg.changes != before_start
                     if dirty or reg.changes != seen:  # not after a pass on a timer alone
                         self._save_pacing.changed()
                         saved_reports = reg.reports
-                elif now >= next_pass:
-                    next_pass = now + decide_every
-                    self._kill_wedged(now)  # O(N), but no views built: cheap at any N
-                    self._enforce_exit_timeout(now)
+                else:
+                    if timer_due:
+                        next_pass = now + decide_every
+                    self._perform(result.effects)
                 if reg.reports != saved_reports:  # reports that needed no decision: kept, paced as any change
                     saved_reports = reg.reports
                     self._save_pacing.changed()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+from lightning_elastic.launcher.job.step import HostsListed
+
 log = logging.getLogger("lightning_elastic.driver")
 
 
@@ -15,26 +17,16 @@ REFUSED_HOSTS_KEPT = 4096
 class HostIntake:
     """Part of ``Driver`` (driver/driver.py): see the module docstring."""
 
-    def _take_discovery(self) -> bool:
-        """Apply discovery's newest result; True when the hosts or its error changed (a
-        poll that found the same hosts, every few seconds, needs no decision)."""
+    def _take_discovery(self) -> HostsListed | None:
+        """Discovery's newest result for the core, with the hosts the driver cannot use left
+        out (said once each); None when there is nothing new."""
         latest = self._discovery.latest()
         if latest is None or latest.sequence == self._discovery_seq:
-            return False
+            return None
         self._discovery_seq = latest.sequence
-        error_changed = latest.error != self._state.discovery_error
-        self._state.discovery_error = latest.error
         if latest.hosts is None:
-            return error_changed
-        usable = [h for h in latest.hosts if self._reachable(h.host)]
-        change = self._state.hosts.update(usable)
-        if change:
-            log.info(
-                "Hosts changed: added %s, removed %s, resized %s.",
-                list(change.added), list(change.removed), list(change.resized),
-            )
-            self._events.emit("hosts_changed", added=list(change.added), removed=list(change.removed))
-        return bool(change) or error_changed
+            return HostsListed(None, latest.error)
+        return HostsListed(tuple(h for h in latest.hosts if self._reachable(h.host)), latest.error)
 
     def _reachable(self, host: str) -> bool:
         """A remote host cannot reach services bound to loopback: refuse it, say how to fix it."""

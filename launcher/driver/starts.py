@@ -1,18 +1,17 @@
 """Starting workers: each one's spec and environment, planned in a decision pass under the
-job's lock and started after it with the lock released; stopping one."""
+job's lock and started after it with the lock released."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.errors import StartError
-from lightning_elastic.launcher.job.slots import SlotAssignment
+from lightning_elastic.launcher.job.effects import Start
 from lightning_elastic.launcher.job.state import WorkerRecord, WorkerState
 from lightning_elastic.launcher.processes.base import WorkerProcess, WorkerSpec
 
@@ -45,12 +44,10 @@ def _prefix_of(record: WorkerRecord) -> Callable[[], str]:
 class WorkerStarts:
     """Part of ``Driver`` (driver/driver.py): see the module docstring."""
 
-    def _spawn(self, slot: SlotAssignment) -> None:
-        number = self._state.tally.next_worker
-        self._state.tally.next_worker += 1
-        worker_id = f"{slot.slot}#{number}"
-        record = self._registry.add_worker(worker_id, slot.slot)
+    def _spec_for(self, start: Start) -> WorkerSpec:
+        """How to start the worker the core planned: its command, environment and log file."""
         assert self._server is not None
+        slot, worker_id = start.slot, start.worker_id
         env = {
             **self._job_env(),
             p.ENV_WORKER_ID: worker_id,
@@ -66,19 +63,9 @@ class WorkerStarts:
         }
         log_file = None
         if self._config.log_dir is not None:
-            log_file = self._config.log_dir / f"worker-{number}-{slot.slot.host}-{slot.slot.local_rank}.log"
-
-        prefix = _prefix_of(record)
-        spec = WorkerSpec(
-            worker_id=worker_id,
-            host=slot.slot.host,
-            command=self._config.command,
-            env=env,
-            secret=self._secret,
-            cwd=os.getcwd(),
-            log_file=log_file,
-        )
-        self._pending_starts.append(_PendingStart(record, spec, prefix))
+            log_file = self._config.log_dir / f"worker-{start.number}-{slot.slot.host}-{slot.slot.local_rank}.log"
+        return WorkerSpec(worker_id=worker_id, host=slot.slot.host, command=self._config.command, env=env,
+                          secret=self._secret, cwd=os.getcwd(), log_file=log_file)
 
     def _job_env(self) -> dict[str, str]:
         """The variables every worker of the job gets (``_spawn`` adds each one's own)."""
@@ -104,23 +91,10 @@ class WorkerStarts:
                 p.ENV_DRIVER_URL_FILE: str(self._keeping.dir.url_file)} if self._keeping is not None else {}),
         }
 
-    def _prepare_hosts(self) -> None:
-        """With ``--preload``: every host the job may use gets its fork server before a worker
-        needs it (a listed spare's replacement then forks at once). Started after the pass,
-        as workers are; once per host while it stays listed."""
-        if self._prepare is None:
-            return
-        available = {h.host for h in self._state.hosts.available()}
-        self._prepared &= available  # bounded by the hosts listed now; one that comes back is prepared again
-        new = sorted(available - self._prepared)
-        if not new:
-            return
-        env, cwd = self._job_env(), os.getcwd()  # the same for every host
-        for host in new:
-            self._prepared.add(host)
-            self._pending_prepares.append(WorkerSpec(
-                worker_id=f"fork server on {host}", host=host, command=self._config.command, env=env,
-                secret=self._secret, cwd=cwd))
+    def _fork_server_spec(self, host: str) -> WorkerSpec:
+        """``--preload``: how to start ``host``'s fork server (as a worker is started there)."""
+        return WorkerSpec(worker_id=f"fork server on {host}", host=host, command=self._config.command,
+                          env=self._job_env(), secret=self._secret, cwd=os.getcwd())
 
     def _start_pending(self) -> None:
         """Start the workers the last pass planned, with the registry's lock released.
@@ -166,15 +140,3 @@ class WorkerStarts:
         child = getattr(proc, "child_pid", None)  # test doubles may have none
         if child is not None and self._exit_watcher is not None:
             self._exit_watcher.watch(child)
-
-    def _stop_worker(self, record: WorkerRecord, why: str) -> None:
-        if record.stopping or record.state.finished:
-            return
-        log.info("Stopping worker %s: %s.", record.worker_id, why)
-        record.leave = True
-        self._registry.note_change()
-        self._registry.wake(record)  # a rendezvous it waits in answers EXIT now
-        proc = self._processes[record.worker_id]
-        proc.signal(signal.SIGTERM)
-        proc.signal(signal.SIGCONT)
-        record.stop_deadline = self._clock() + self._config.timeouts.stop_grace

@@ -42,6 +42,7 @@ class Start:
 
     worker_id: str
     slot: SlotAssignment
+    number: int  # the worker's number (its id's suffix): names its log file
 
 
 @dataclasses.dataclass(frozen=True)

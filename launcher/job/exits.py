@@ -75,7 +75,8 @@ def classify_exit(facts: ExitFacts) -> ExitVerdict:
     members' exits.
     """
     f = facts
-    if f.outcome == Outcome.DONE and f.status == 0:
+    if f.outcome == Outcome.DONE and f.status == 0 and not f.kill_reason:
+        # (Stopped by the driver, say at --exit-timeout, it failed however it then exited.)
         return ExitVerdict(ExitKind.DONE)
     if f.outcome == Outcome.REMOVED:
         if f.status != 0:  # it left its round cleanly, then crashed on its way out: no round to break
@@ -91,7 +92,8 @@ def classify_exit(facts: ExitFacts) -> ExitVerdict:
         break_round=f.in_round and not f.finishing,
         blacklist=not f.finishing,
         host_failed=bool(f.detail),
-        never_joined=f.status == 0 and not f.joined,
+        # A script that ran and ended without joining; not a lost host (``detail``).
+        never_joined=f.status == 0 and not f.joined and not f.detail,
     )
 
 
@@ -101,6 +103,8 @@ def failure_text(f: ExitFacts) -> str:
         how = f"was lost: {f.detail}"
     elif f.status == 0 and not f.joined:
         how = "exited with status 0 without ever joining the job"
+    elif f.status == 0 and f.outcome == Outcome.DONE:
+        how = "exited with status 0 after training returned"
     elif f.status == 0:
         how = "exited with status 0 without reporting that training returned"
     else:

@@ -88,11 +88,11 @@ def wedged(w: WorkerClock, now: float, absences: Absences, timeouts: Timeouts,
             return f"it reported {w.reported} but did not exit within {t.exit:g} s"
         return None
     if w.last_heartbeat is None:
-        if now - w.started_at > t.worker_arrival:
+        if absences.silent_for(w.started_at, now) > t.worker_arrival:
             return f"it did not reach the rendezvous within {t.worker_arrival:g} s"
         return None
     if (reset_pending_since is not None and round_broken and w.member
-            and now - reset_pending_since > t.worker_arrival):
+            and absences.silent_for(reset_pending_since, now) > t.worker_arrival):
         return f"it did not come back to the rendezvous within {t.worker_arrival:g} s of the reset"
     if absences.silent_for(w.last_heartbeat, now) > t.heartbeat_timeout:
         return f"it sent no heartbeat for {t.heartbeat_timeout:g} s (hung, stopped or unreachable)"

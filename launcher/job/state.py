@@ -27,6 +27,7 @@ from typing import Any
 
 from lightning_elastic.launcher.job.blacklist import HostManager
 from lightning_elastic.launcher.job.history import BoundedHistory
+from lightning_elastic.launcher.job.liveness import Absences
 from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
 from lightning_elastic.protocol import Assignment, Outcome, Report
 
@@ -185,6 +186,10 @@ class JobState:
     closing: bool = transient(default=False)  # the driver is shutting down: no graceful leaves any more
     # Workers with a round-lost request pending (the service's).
     asking: set[str] = transient(default_factory=set)
+    # The driver's own absences (job/liveness.py): set when the loop starts.
+    absences: Absences = transient(default_factory=lambda: Absences.starting(0.0, float("inf")))
+    # --preload: the hosts given a fork server (bounded by the hosts listed now).
+    prepared: set[str] = transient(default_factory=set)
     # Groups of worker ids whose arrival at the rendezvous the loop awaits: an arrival wakes
     # it only once a whole group has come (see membership.awaited_arrivals); None: every one.
     awaited: list[set[str]] | None = transient(default=None)

@@ -1,14 +1,11 @@
-"""The driver's bounds: on a worker that went quiet (the heartbeat timeout while it trains,
---exit-timeout once it has reported how training ended: it stops heartbeating to exit), and
-on what it remembers for a job of weeks."""
+"""The driver's bounds on what it remembers for a job of weeks, and the absences the loop
+counts (the rules that use them are tested through the step: tests/unit/launcher/job/test_step.py)."""
 
 from __future__ import annotations
 
-import signal
 
 import pytest
 
-from lightning_elastic import protocol as p
 from lightning_elastic.launcher.config import LaunchConfig, Timeouts
 from lightning_elastic.launcher.hosts.discovery import FixedHosts
 from lightning_elastic.launcher.driver.driver import Driver
@@ -44,27 +41,6 @@ def driver_with_two_workers(clock: Clock) -> tuple[Driver, dict[str, IdleProcess
     return driver, processes
 
 
-def test_a_worker_that_reported_the_end_of_training_is_given_the_exit_timeout_not_the_heartbeat_timeout() -> None:
-    # Its exit (the last host check, the group's teardown, the interpreter's end) sends no
-    # heartbeat and takes seconds on a busy machine: CI once saw finished workers SIGKILLed
-    # for "no heartbeat for 4 s" while they exited.
-    clock = Clock()
-    driver, processes = driver_with_two_workers(clock)
-    driver._registry.report(p.Report("a", 1, p.Outcome.DONE))  # noqa: SLF001
-    clock.now += 10.0  # both silent for more than the heartbeat timeout
-    with driver._registry.cond:  # noqa: SLF001
-        driver._kill_wedged(clock.now)  # noqa: SLF001
-    assert processes["a"].code is None  # reported: exiting, not wedged
-    assert processes["b"].code == -signal.SIGKILL  # still training and silent: wedged
-    assert "no heartbeat for 4 s" in driver._registry.state.workers["b"].kill_reason  # noqa: SLF001
-
-    clock.now += 21.0  # 31 s after its report: past --exit-timeout
-    with driver._registry.cond:  # noqa: SLF001
-        driver._kill_wedged(clock.now)  # noqa: SLF001
-    assert processes["a"].code == -signal.SIGKILL
-    assert driver._registry.state.workers["a"].kill_reason == "it reported done but did not exit within 30 s"  # noqa: SLF001
-
-
 def test_the_hosts_said_to_be_ignored_are_remembered_boundedly(caplog) -> None:
     # Said once per host while remembered; a discovery listing new bad names for weeks
     # must not grow the driver's memory.
@@ -75,32 +51,6 @@ def test_the_hosts_said_to_be_ignored_are_remembered_boundedly(caplog) -> None:
     assert len(driver._refused_hosts) <= REFUSED_HOSTS_KEPT  # noqa: SLF001
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ignoring host")]
     assert len(said) == REFUSED_HOSTS_KEPT + 10
-
-
-def test_the_drivers_own_absence_is_no_workers_silence() -> None:
-    # Stopped (Ctrl-Z, a suspended machine) for longer than the heartbeat timeout: when it
-    # runs again, the heartbeats waiting for it have not been read yet.
-    clock = Clock()
-    driver, processes = driver_with_two_workers(clock)
-    absences = driver._absences  # noqa: SLF001 - the loop turns it every tick
-    registry = driver._registry  # noqa: SLF001
-    for _ in range(20):  # a second of turns, the workers' heartbeats at its start
-        clock.now += 0.05
-        absences.turn(clock.now)
-    clock.now += 15.0  # stopped
-    absences.turn(clock.now)
-    with registry.cond:
-        driver._kill_wedged(clock.now)  # noqa: SLF001
-    assert processes["a"].code is None and processes["b"].code is None
-    for turn in range(1, int(4.1 / 0.05) + 1):  # running again, past the timeout
-        clock.now += 0.05
-        absences.turn(clock.now)
-        if turn % 20 == 0:
-            registry.state.workers["a"].last_heartbeat = clock.now  # a heartbeats every second; b never again
-    with registry.cond:
-        driver._kill_wedged(clock.now)  # noqa: SLF001
-    assert processes["a"].code is None
-    assert processes["b"].code == -signal.SIGKILL
 
 
 def test_absences_count_only_gaps_longer_than_the_limit() -> None:

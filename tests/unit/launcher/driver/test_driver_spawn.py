@@ -10,6 +10,7 @@ import pytest
 
 from lightning_elastic.launcher.config import LaunchConfig, Timeouts
 from lightning_elastic.launcher.hosts.discovery import FixedHosts
+from lightning_elastic.launcher.driver import driver as loop
 from lightning_elastic.launcher.driver.driver import Driver
 from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.job.slots import HostSlots
@@ -106,15 +107,17 @@ def test_a_change_made_while_workers_start_is_decided_on_at_once_not_a_tick_late
     driver = Driver(config, FixedHosts(hosts), launcher, is_local=lambda _host: True)
     launcher.driver = driver
     passes: list[float] = []
-    decide = driver._decide  # noqa: SLF001
+    step = loop.step
 
-    def counted(now: float):
-        passes.append(now)
-        if len(passes) == 2:
-            driver.request_stop("SIGINT")
-        return decide(now)
+    def counted(state, turn, rules):
+        result = step(state, turn, rules)
+        if result.decided:
+            passes.append(turn.now)
+            if len(passes) == 2:
+                driver.request_stop("SIGINT")
+        return result
 
-    monkeypatch.setattr(driver, "_decide", counted)
+    monkeypatch.setattr(loop, "step", counted)
     result = driver.run()
     assert len(passes) >= 2 and passes[1] - passes[0] < 1.5, passes
     assert not result.success

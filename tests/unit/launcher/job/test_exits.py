@@ -39,12 +39,12 @@ Not decided by classify_exit (the reason is in ``ELSEWHERE`` below):
   --min-np, every host blacklisted, the job's verdict) is job/verdict.py's and the host
   manager's, not this table's.
 
-Found against the docs (strict xfails):
+Found against the docs by this table, and fixed in ``classify_exit``:
   - row 8: a worker stopped for --exit-timeout that traps the SIGTERM and exits 0 after its
-    DONE report is classified DONE, though the docs say those stopped "count as failed".
-  - a host lost (launcher detail) with exit status 0 before it joined is flagged
-    ``never_joined``, so the job would fail with the hint to call ``le.init()``: the docs
-    reserve that for a script that ran and ended without joining.
+    DONE report was classified DONE, though the docs say those stopped "count as failed";
+  - a host lost (launcher detail) with exit status 0 before it joined was flagged
+    ``never_joined`` (the job would have failed with the hint to call ``le.init()``): the
+    docs reserve that for a script that ran and ended without joining.
 """
 
 from __future__ import annotations
@@ -166,10 +166,7 @@ ROWS = [
     failed("a host lost with status 0 before it joined is a lost host, not a script that never joins",
            starting(0, detail="the remote start on node2 failed (status 0): no message"),
            f"worker {W} was lost: the remote start on node2 failed (status 0): no message",
-           blacklist=True, host_failed=True, never_joined=False,
-           xfail="docs/troubleshooting.md and the README give the never-joined verdict (and its le.init() hint) "
-                 "to a script that ran and ended without joining; classify_exit flags any status 0 before "
-                 "joining, a lost host's too (never_joined=True)"),
+           blacklist=True, host_failed=True, never_joined=False),
     # ----- never joined ---------------------------------------------------------------------
     failed("a script that exits 0 without ever joining the job: never joined, costs its slot only",
            starting(0), f"worker {W} exited with status 0 without ever joining the job",
@@ -221,10 +218,7 @@ ROWS = [
            f"worker {W} was killed by SIGKILL after training returned: {EXIT_OVERDUE}", cases=(8,)),
     failed("row 8: stopped at --exit-timeout, traps the SIGTERM and exits 0: still counted as failed",
            finished(0, outcome=Outcome.DONE, leave=True, kill_reason=EXIT_OVERDUE),
-           f"worker {W} exited with status 0 ...", cases=(8,),
-           xfail="docs/architecture.md 'How the job ends' stops those still running --exit-timeout after the "
-                 "first exit 'and they count as failed' (README: one that does not exit within --exit-timeout "
-                 "fails the job); classify_exit calls a DONE report then status 0 DONE whatever kill_reason says"),
+           f"worker {W} exited with status 0 ...", cases=(8,)),
     failed("a member killed (OOM) at teardown after training returned: no blacklist",
            finished(SIGKILLED, outcome=Outcome.DONE), f"worker {W} was killed by SIGKILL after training returned"),
     failed("a member that exits 0 without its report once training returned elsewhere: no blacklist",

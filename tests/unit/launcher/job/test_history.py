@@ -39,7 +39,7 @@ def test_the_summary_of_a_long_job_says_how_many_it_leaves_out() -> None:
 
 
 def test_a_log_listing_names_sixteen_and_counts_the_rest() -> None:
-    from lightning_elastic.launcher.driver.result import listing
+    from lightning_elastic.launcher.job.wording import listing
 
     shown = []
     text = listing(range(4096), lambda n: shown.append(n) or f"rank {n}")
