@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_elastic import protocol as p
-from lightning_elastic.client import RETRY_FOR, backoff, first_request_spread, heartbeat_hold, heartbeat_retry_delay
+from lightning_elastic.membership.client import RETRY_FOR, backoff, first_request_spread, heartbeat_hold, heartbeat_retry_delay
 
 
 

@@ -219,7 +219,7 @@ import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 import lightning_elastic as le
-from lightning_elastic import worker as worker_module
+from lightning_elastic.membership import worker as worker_module
 
 checks = []  # (validating, global_step, step of the newest commit) at each host check
 original = worker_module.ElasticWorker.check_host_updates

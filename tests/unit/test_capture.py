@@ -13,7 +13,7 @@ import torch
 
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.capture import CheckpointCapture
-from lightning_elastic.snapshot import join
+from lightning_elastic.commit.buffers import join
 
 pytestmark = pytest.mark.timeout(90)
 

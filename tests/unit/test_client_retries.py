@@ -1,4 +1,4 @@
-"""lightning_elastic/client.py: how a worker spreads and retries its requests.
+"""lightning_elastic/membership/client.py: how a worker spreads and retries its requests.
 
 A busy driver (it accepted the request and has not answered yet) is asked again without
 a limit; one that cannot be connected to is given up on after the retry period. Retries
@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from lightning_elastic import protocol as p
-from lightning_elastic.client import (
+from lightning_elastic.membership.client import (
     BACKOFF_CAP,
     DriverClient,
     backoff,

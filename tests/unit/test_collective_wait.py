@@ -21,19 +21,19 @@ import torch
 
 from lightning_elastic import protocol as p
 from lightning_elastic.errors import CollectiveError
-from lightning_elastic.host_check import HostCheck
-from lightning_elastic.process_group import BackendChoice
-from lightning_elastic.worker import ElasticWorker, wait_or_give_up
+from lightning_elastic.membership.host_check import HostCheck
+from lightning_elastic.membership.process_group import BackendChoice
+from lightning_elastic.membership.worker import ElasticWorker, wait_or_give_up
 
 pytestmark = pytest.mark.timeout(120)
 
 _RANK_SCRIPT = r"""
 import datetime, os, signal, sys, threading, time
 import torch, torch.distributed as dist
-from lightning_elastic import group_sockets
-from lightning_elastic.process_group import abandon_round_group
-from lightning_elastic.transfer import send_tensors
-from lightning_elastic.worker import wait_or_give_up
+from lightning_elastic.membership import group_sockets
+from lightning_elastic.membership.process_group import abandon_round_group
+from lightning_elastic.commit.transfer import send_tensors
+from lightning_elastic.membership.worker import wait_or_give_up
 
 rank, store = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3,

@@ -1,4 +1,4 @@
-"""lightning_elastic/collectives.py: the reset's small collectives, on real gloo ranks.
+"""lightning_elastic/commit/collectives.py: the reset's small collectives, on real gloo ranks.
 
 Each is asynchronous and handed to a ``wait``: a worker's ``wait_collective`` gives one up
 once its round is broken, where torch's blocking forms would wait for the group's timeout.
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_elastic import collectives
+from lightning_elastic.commit import collectives
 from tests.unit.fakes import FakeWorker, run_ranks
 
 pytestmark = pytest.mark.timeout(90)

@@ -27,8 +27,8 @@ from lightning_elastic.lightning.commit import (
     receive_commit,
     take_commit,
 )
-from lightning_elastic.snapshot import Committed, HostSnapshot
-from lightning_elastic.sampler import epoch_batches_done
+from lightning_elastic.commit.buffers import Committed, HostSnapshot
+from lightning_elastic.training.sampler import epoch_batches_done
 from tests.unit.fakes import FakeWorker, run_ranks
 
 pytestmark = pytest.mark.timeout(90)

@@ -1,4 +1,4 @@
-"""lightning_elastic/ddp.py: torch's DDP that follows the job's process group across resets."""
+"""lightning_elastic/training/ddp.py: torch's DDP that follows the job's process group across resets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_elastic.ddp import DistributedDataParallel
+from lightning_elastic.training.ddp import DistributedDataParallel
 from tests.unit.fakes import FakeWorker, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic import driver_locator
+from lightning_elastic.membership import driver_locator
 from lightning_elastic import protocol as p
-from lightning_elastic.client import DriverClient
-from lightning_elastic.driver_locator import DriverLocator, parse_url
+from lightning_elastic.membership.client import DriverClient
+from lightning_elastic.membership.driver_locator import DriverLocator, parse_url
 from lightning_elastic.errors import RendezvousError
 from lightning_elastic.launcher.restart.state_dir import StateDir
 

@@ -1,4 +1,4 @@
-"""lightning_elastic/group_sockets.py: finding and shutting down the group's own TCP connections.
+"""lightning_elastic/membership/group_sockets.py: finding and shutting down the group's own TCP connections.
 
 Real loopback connections opened in this process stand in for gloo's.
 """
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from lightning_elastic import group_sockets
-from lightning_elastic.group_sockets import established, new_connections, shut_down
+from lightning_elastic.membership import group_sockets
+from lightning_elastic.membership.group_sockets import established, new_connections, shut_down
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -215,10 +215,10 @@ def test_shut_down_checks_the_descriptor_still_belongs_to_the_connection(pairs, 
 
 FORM_SCRIPT = """
 import datetime, json, socket, sys, threading
-from lightning_elastic import group_sockets
-from lightning_elastic.client import DriverClient
-from lightning_elastic.driver_store import DriverStore
-from lightning_elastic.process_group import BackendChoice, init_round_group
+from lightning_elastic.membership import group_sockets
+from lightning_elastic.membership.client import DriverClient
+from lightning_elastic.membership.driver_store import DriverStore
+from lightning_elastic.membership.process_group import BackendChoice, init_round_group
 import torch, torch.distributed as dist
 
 url, secret, rank, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

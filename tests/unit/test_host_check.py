@@ -1,4 +1,4 @@
-"""lightning_elastic/host_check.py: every rank raises at the same call; fast calls share collectives.
+"""lightning_elastic/membership/host_check.py: every rank raises at the same call; fast calls share collectives.
 
 Ranks are simulated in one process: a ``Collective`` completes an all-reduce once every
 rank has contributed to it, as gloo would. One test runs the real collective on real gloo
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
-from lightning_elastic.host_check import CHECK_PERIOD_S, MAX_CALLS_APART, HostCheck, calls_until_next
+from lightning_elastic.membership.host_check import CHECK_PERIOD_S, MAX_CALLS_APART, HostCheck, calls_until_next
 from tests.unit.fakes import FakeWorker, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""lightning_elastic/init_sync.py: torch DDP skips its initial broadcast exactly when the
+"""lightning_elastic/commit/init_sync.py: torch DDP skips its initial broadcast exactly when the
 state sync already made the replicas identical (le.DistributedDataParallel, elastic_hvd)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lightning_elastic import api, init_sync
-from lightning_elastic.ddp import DistributedDataParallel
-from lightning_elastic.init_sync import SyncedModules, agree, ddp_kwargs_for, fingerprint, needs_init_sync
-from lightning_elastic.state import TorchState
+from lightning_elastic.training.ddp import DistributedDataParallel
+from lightning_elastic.commit.init_sync import SyncedModules, agree, ddp_kwargs_for, fingerprint, needs_init_sync
+from lightning_elastic.training.state import TorchState
 from tests.unit.fakes import FakeWorker, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -178,7 +178,7 @@ def build_after_sync(rank: int, worker: FakeWorker) -> dict[str, Any]:
             built.append(dict(kwargs))
             super().__init__(module, **kwargs)
 
-    import lightning_elastic.ddp as ddp_module  # noqa: PLC0415
+    import lightning_elastic.training.ddp as ddp_module  # noqa: PLC0415
 
     ddp_module.TorchDDP = Recording
     api._worker = worker  # what le.init() sets
@@ -213,7 +213,7 @@ def strategy(monkeypatch, request):
     from lightning_elastic.lightning import compat  # noqa: PLC0415
     from lightning_elastic.lightning.strategy import ElasticStrategy  # noqa: PLC0415
 
-    from lightning_elastic.worker import ElasticWorker  # noqa: PLC0415
+    from lightning_elastic.membership.worker import ElasticWorker  # noqa: PLC0415
 
     worker = ElasticWorker(None)
     worker.start()

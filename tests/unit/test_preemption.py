@@ -1,4 +1,4 @@
-"""lightning_elastic/preemption.py: SIGTERM as a graceful leave, and its fallbacks.
+"""lightning_elastic/membership/preemption.py: SIGTERM as a graceful leave, and its fallbacks.
 
 The handler is called directly (and once through a real SIGTERM in a child process), with
 the driver's answer and the process exit injected.
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from lightning_elastic.preemption import PreemptionHandler
+from lightning_elastic.membership.preemption import PreemptionHandler
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -88,7 +88,7 @@ def test_a_real_sigterm_reaches_the_installed_handler_and_a_refusal_kills_by_the
     # In a child: the default die() must end the process by SIGTERM itself.
     code = textwrap.dedent("""
         import os, signal, sys, time
-        from lightning_elastic.preemption import PreemptionHandler
+        from lightning_elastic.membership.preemption import PreemptionHandler
         h = PreemptionHandler(lambda reason: (print("asked", reason, flush=True), False)[1], 30.0)
         h.install()
         assert PreemptionHandler.is_installed()
@@ -109,7 +109,7 @@ def test_a_main_thread_blocked_in_native_code_still_leaves_within_the_grace():
     # notice must still be acted on (the driver asked) and the grace must still end it.
     code = textwrap.dedent("""
         import ctypes, sys
-        from lightning_elastic.preemption import PreemptionHandler
+        from lightning_elastic.membership.preemption import PreemptionHandler
         h = PreemptionHandler(lambda reason: (print("asked", reason, flush=True), True)[1], 1.0)
         h.install()
         libc = ctypes.CDLL(None)
@@ -149,7 +149,7 @@ def test_a_forked_child_gets_plain_sigterm_and_no_share_of_the_wakeup_descriptor
     # the parent's watcher as a "second SIGTERM".
     code = textwrap.dedent("""
         import os, signal, sys, time
-        from lightning_elastic.preemption import PreemptionHandler
+        from lightning_elastic.membership.preemption import PreemptionHandler
         h = PreemptionHandler(lambda reason: (print("asked", reason, flush=True), True)[1], 30.0)
         h.install()
         ready_r, ready_w = os.pipe()
@@ -176,7 +176,7 @@ def test_a_wakeup_descriptor_set_later_by_someone_else_leaves_the_notice_to_the_
     # the watcher hears nothing, so the Python handler must act (not swallow SIGTERM).
     code = textwrap.dedent("""
         import os, signal, socket, time
-        from lightning_elastic.preemption import PreemptionHandler
+        from lightning_elastic.membership.preemption import PreemptionHandler
         h = PreemptionHandler(lambda reason: (print("asked", reason, flush=True), True)[1], 30.0)
         h.install()
         theirs, _ = socket.socketpair()

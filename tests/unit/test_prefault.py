@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lightning_elastic.prefault import Prefaulter, page_ranges
+from lightning_elastic.commit.prefault import Prefaulter, page_ranges
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

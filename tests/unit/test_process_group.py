@@ -1,4 +1,4 @@
-"""lightning_elastic/process_group.py: backend choice, NCCL environment, a real gloo round group."""
+"""lightning_elastic/membership/process_group.py: backend choice, NCCL environment, a real gloo round group."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_elastic.process_group import (
+from lightning_elastic.membership.process_group import (
     BackendChoice,
     choose_backend,
     destroy_round_group,
@@ -226,7 +226,7 @@ def test_the_formed_group_has_the_collective_timeout_not_the_connect_bound(clean
 _RANK_SCRIPT = r"""
 import datetime, os, signal, sys, time
 import torch.distributed as dist
-from lightning_elastic.process_group import BackendChoice, init_round_group
+from lightning_elastic.membership.process_group import BackendChoice, init_round_group
 import torch
 
 rank, path = int(sys.argv[1]), sys.argv[2]
@@ -295,7 +295,7 @@ def test_a_peer_dying_after_publishing_its_address_fails_the_formation_within_th
 
 
 def test_a_large_gloo_world_is_told_that_its_bootstrap_is_quadratic():
-    from lightning_elastic.process_group import GLOO_LARGE_WORLD, gloo_scale_warning
+    from lightning_elastic.membership.process_group import GLOO_LARGE_WORLD, gloo_scale_warning
 
     assert gloo_scale_warning("gloo", GLOO_LARGE_WORLD) is None
     assert gloo_scale_warning("nccl", 4096) is None

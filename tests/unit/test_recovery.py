@@ -1,4 +1,4 @@
-"""lightning_elastic/recovery.py: the one retry engine, driven by a scripted worker and run.
+"""lightning_elastic/training/recovery.py: the one retry engine, driven by a scripted worker and run.
 
 Each fake records what the engine asked of it, in order, so a test states the whole
 recovery sequence: a fault at any step of a recovery must start another recovery.
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from lightning_elastic import protocol as p
 from lightning_elastic.errors import CollectiveError, HostsUpdatedInterrupt, RendezvousError
-from lightning_elastic.recovery import RetryEngine, describe_error, is_collective_error
+from lightning_elastic.training.recovery import RetryEngine, describe_error, is_collective_error
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""lightning_elastic/sampler.py: ElasticSampler covers each sample once per epoch, across resets."""
+"""lightning_elastic/training/sampler.py: ElasticSampler covers each sample once per epoch, across resets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_elastic.protocol import Assignment
-from lightning_elastic.sampler import ElasticSampler, epoch_batches_done
+from lightning_elastic.training.sampler import ElasticSampler, epoch_batches_done
 
 
 class FixedWorld:

@@ -1,4 +1,4 @@
-"""lightning_elastic/snapshot.py: split/join of state trees, reused buffers, commits never torn.
+"""lightning_elastic/commit/buffers.py: split/join of state trees, reused buffers, commits never torn.
 
 The CUDA copier cannot run here (no GPU): its decisions (promote a commit only when its copy
 completed, keep the previous one when the copy failed) are tested through a scripted copier
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from lightning_elastic.snapshot import HostCopier, HostSnapshot, TensorSlot, TensorSpec, join, split
+from lightning_elastic.commit.buffers import HostCopier, HostSnapshot, TensorSlot, TensorSpec, join, split
 
 pytestmark = pytest.mark.timeout(30)
 

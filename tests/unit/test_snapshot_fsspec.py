@@ -14,14 +14,15 @@ import pytest
 import torch
 
 import lightning_elastic as le
-from lightning_elastic import snapshot_files as files
-from lightning_elastic import snapshot_fs, snapshot_store
+from lightning_elastic.durable import files
+from lightning_elastic.durable import fs as snapshot_fs
+from lightning_elastic.durable import store as snapshot_store
 from lightning_elastic.launcher import cli
 from lightning_elastic.launcher.restart import resume as snapshots
 from lightning_elastic.launcher.observe.events import EventLog
-from lightning_elastic.snapshot import HostSnapshot
-from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings
-from lightning_elastic.snapshot_store import ResumePlan, SnapshotInfo, SnapshotWriter
+from lightning_elastic.commit.buffers import HostSnapshot
+from lightning_elastic.durable.files import SnapshotError, SnapshotSettings
+from lightning_elastic.durable.store import ResumePlan, SnapshotInfo, SnapshotWriter
 
 fsspec = pytest.importorskip("fsspec")
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import lightning_elastic as le
-from lightning_elastic import snapshot_files as files
-from lightning_elastic.snapshot_files import SnapshotSettings
-from lightning_elastic.snapshot_store import ResumePlan
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic.durable import files
+from lightning_elastic.durable.files import SnapshotSettings
+from lightning_elastic.durable.store import ResumePlan
+from lightning_elastic.membership.worker import ElasticWorker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,8 +122,8 @@ def test_a_new_elastic_fit_resumes_from_the_snapshot_mid_epoch(tmp_path, worker)
 
 
 def test_a_state_snapshot_is_refused_by_the_trainer_in_one_line(tmp_path, worker):
-    from lightning_elastic.snapshot import HostSnapshot
-    from lightning_elastic.snapshot_store import SnapshotInfo, SnapshotWriter
+    from lightning_elastic.commit.buffers import HostSnapshot
+    from lightning_elastic.durable.store import SnapshotInfo, SnapshotWriter
 
     snapshot = HostSnapshot()
     snapshot.capture({"values": {"step": 1}, "stateful": {}})

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import lightning_elastic as le
-from lightning_elastic import snapshot_files as files
-from lightning_elastic import snapshot_fs, snapshot_store
-from lightning_elastic.snapshot import HostSnapshot
-from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings
-from lightning_elastic.snapshot_store import SnapshotInfo, SnapshotWriter
+from lightning_elastic.durable import files
+from lightning_elastic.durable import fs as snapshot_fs
+from lightning_elastic.durable import store as snapshot_store
+from lightning_elastic.commit.buffers import HostSnapshot
+from lightning_elastic.durable.files import SnapshotError, SnapshotSettings
+from lightning_elastic.durable.store import SnapshotInfo, SnapshotWriter
 
 
 def tree(step: int, size: int = 1000) -> dict:
@@ -228,8 +229,8 @@ def make_state(worker, scale: float = 1.0):
 
 
 def test_rank_0_writes_its_commits_and_a_new_job_resumes_from_them_with_the_reset_callbacks(tmp_path):
-    from lightning_elastic.runner import _StateRecovery
-    from lightning_elastic.snapshot_store import ResumePlan
+    from lightning_elastic.training.runner import _StateRecovery
+    from lightning_elastic.durable.store import ResumePlan
     from tests.unit.fakes import FakeWorker
 
     worker = FakeWorker(rank=0, size=3)
@@ -259,8 +260,8 @@ def test_rank_0_writes_its_commits_and_a_new_job_resumes_from_them_with_the_rese
 
 
 def test_resuming_from_a_snapshot_of_another_model_is_one_line_saying_how_to_start_over(tmp_path):
-    from lightning_elastic.runner import _StateRecovery
-    from lightning_elastic.snapshot_store import ResumePlan
+    from lightning_elastic.training.runner import _StateRecovery
+    from lightning_elastic.durable.store import ResumePlan
     from tests.unit.fakes import FakeWorker
 
     worker = FakeWorker(rank=0, size=1)

@@ -1,4 +1,4 @@
-"""lightning_elastic/state.py: commit, restore and sync of ObjectState and TorchState; to_host.
+"""lightning_elastic/training/state.py: commit, restore and sync of ObjectState and TorchState; to_host.
 
 Most tests run in a world of one (no process group: broadcasts are no-ops there). The sync
 tests run real gloo ranks through ``fakes.run_ranks``; the functions those ranks run are
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
-from lightning_elastic.sampler import ElasticSampler
-from lightning_elastic.state import ObjectState, TorchState, broadcast_object, to_host
+from lightning_elastic.training.sampler import ElasticSampler
+from lightning_elastic.training.state import ObjectState, TorchState, broadcast_object, to_host
 from tests.unit.fakes import FakeWorker, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic.membership.worker import ElasticWorker
 from tests.troubleshooting_rows import assert_documented
 
 pytest.importorskip("lightning")

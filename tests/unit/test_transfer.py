@@ -1,4 +1,4 @@
-"""lightning_elastic/transfer.py: chunk plans, and commits sent between real gloo ranks."""
+"""lightning_elastic/commit/transfer.py: chunk plans, and commits sent between real gloo ranks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_elastic.snapshot import HostSnapshot
-from lightning_elastic.transfer import Segment, broadcast_commit, plan_chunks
+from lightning_elastic.commit.buffers import HostSnapshot
+from lightning_elastic.commit.transfer import Segment, broadcast_commit, plan_chunks
 from tests.unit.fakes import FakeWorker, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from lightning_elastic import protocol as p
-from lightning_elastic import worker as worker_module
-from lightning_elastic.process_group import BackendChoice
-from lightning_elastic.stuck_round import Action, StuckRoundWatch
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic.membership import worker as worker_module
+from lightning_elastic.membership.process_group import BackendChoice
+from lightning_elastic.membership.stuck_round import Action, StuckRoundWatch
+from lightning_elastic.membership.worker import ElasticWorker
 from tests.troubleshooting_rows import documented_row
 
 ROUND_1_CONNECTIONS = frozenset({(("127.0.0.1", 1000), ("127.0.0.1", 2000))})

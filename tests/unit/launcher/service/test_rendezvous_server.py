@@ -23,7 +23,7 @@ from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
 from lightning_elastic.launcher.job.registry import Registry, WorkerState
 from lightning_elastic.launcher.service.rendezvous_server import MAX_BODY, TIMESTAMP_WINDOW, RendezvousServer
 from lightning_elastic import protocol as p
-from lightning_elastic.client import DriverClient
+from lightning_elastic.membership.client import DriverClient
 from lightning_elastic.errors import RendezvousError
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_elastic import collectives
-from lightning_elastic.collectives import Wait, wait_plainly
-from lightning_elastic.prefault import Prefaulter
-from lightning_elastic.snapshot import Committed, HostSnapshot, TensorSpec
+from lightning_elastic.commit import collectives
+from lightning_elastic.commit.collectives import Wait, wait_plainly
+from lightning_elastic.commit.prefault import Prefaulter
+from lightning_elastic.commit.buffers import Committed, HostSnapshot, TensorSpec
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from lightning_elastic import collectives
+from lightning_elastic.commit import collectives
 
 
 class SyncedModules:

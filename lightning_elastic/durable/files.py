@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from lightning_elastic.snapshot_fs import (  # noqa: F401 - re-exported: snapshot_files is the API
+from lightning_elastic.durable.fs import (  # noqa: F401 - re-exported: snapshot_files is the API
     TEMP_PREFIX,
     Location,
     SnapshotError,
@@ -48,7 +48,7 @@ FORMAT = 1
 _NAME = re.compile(r"^snapshot-(\d{1,12})\.json$")
 _CHUNK = 1 << 22
 
-# What the launcher tells its workers (--snapshot-*); read by lightning_elastic.snapshot_store.
+# What the launcher tells its workers (--snapshot-*); read by lightning_elastic.durable.store.
 ENV_DIR = "LIGHTNING_ELASTIC_SNAPSHOT_DIR"
 ENV_EVERY = "LIGHTNING_ELASTIC_SNAPSHOT_EVERY"
 ENV_KEEP = "LIGHTNING_ELASTIC_SNAPSHOT_KEEP"

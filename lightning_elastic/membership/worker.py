@@ -22,24 +22,24 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lightning_elastic import group_sockets
+from lightning_elastic.membership import group_sockets
 from lightning_elastic import protocol as p
-from lightning_elastic.client import (
+from lightning_elastic.membership.client import (
     RETRY_FOR,
     DriverClient,
     first_request_spread,
     heartbeat_hold,
     heartbeat_retry_delay,
 )
-from lightning_elastic.driver_locator import DriverLocator
-from lightning_elastic.driver_store import DriverStore
+from lightning_elastic.membership.driver_locator import DriverLocator
+from lightning_elastic.membership.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
-from lightning_elastic.host_check import HostCheck, all_reduce_max
-from lightning_elastic.init_sync import SyncedModules
-from lightning_elastic.preemption import PreemptionHandler
-from lightning_elastic.snapshot_files import ENV_DIR, ENV_JOB_ID, Location, SnapshotSettings
-from lightning_elastic.stuck_round import Action, StuckRoundWatch, stack_of
-from lightning_elastic.process_group import (
+from lightning_elastic.membership.host_check import HostCheck, all_reduce_max
+from lightning_elastic.commit.init_sync import SyncedModules
+from lightning_elastic.membership.preemption import PreemptionHandler
+from lightning_elastic.durable.files import ENV_DIR, ENV_JOB_ID, Location, SnapshotSettings
+from lightning_elastic.membership.stuck_round import Action, StuckRoundWatch, stack_of
+from lightning_elastic.membership.process_group import (
     BackendChoice,
     abandon_round_group,
     choose_backend,
@@ -50,7 +50,7 @@ from lightning_elastic.process_group import (
 )
 
 if TYPE_CHECKING:
-    from lightning_elastic.snapshot_store import ResumePlan, SnapshotWriter
+    from lightning_elastic.durable.store import ResumePlan, SnapshotWriter
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class ElasticWorker:
         # Set by the retry loop (``@le.run``, the Trainer's fit): recoveries are possible.
         self.in_retry_loop = False
         self.last_recovery_s: float | None = None  # from its last reset to the next first step
-        # Durable snapshots (lightning_elastic.snapshot_store): the writer, used by rank 0
+        # Durable snapshots (lightning_elastic.durable.store): the writer, used by rank 0
         # after its commits, and the snapshot the first round resumes from.
         self.snapshot_writer: SnapshotWriter | None = None
         self.resume_from: ResumePlan | None = None
@@ -302,7 +302,7 @@ class ElasticWorker:
         Without a driver's choice (a job started otherwise than by the launcher) the first
         round resumes from the newest valid snapshot in the directory, unless ``resume`` is off.
         """
-        from lightning_elastic.snapshot_store import ResumePlan, SnapshotWriter  # noqa: PLC0415 - torch-heavy
+        from lightning_elastic.durable.store import ResumePlan, SnapshotWriter  # noqa: PLC0415 - torch-heavy
 
         if settings is None:
             self.snapshot_writer, self.resume_from = None, None
@@ -561,7 +561,7 @@ class ElasticWorker:
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank at once if hosts changed.
 
-        See ``lightning_elastic.host_check``: one background all-reduce makes the newest
+        See ``lightning_elastic.membership.host_check``: one background all-reduce makes the newest
         generation any rank's heartbeat saw common knowledge; calls that come faster than
         ``CHECK_PERIOD_S`` apart share one, and every rank raises at the same call.
         """
@@ -689,7 +689,7 @@ class ElasticWorker:
 
     @property
     def handles_sigterm(self) -> bool:
-        """Is a SIGTERM a graceful leave here (``lightning_elastic.preemption``)?"""
+        """Is a SIGTERM a graceful leave here (``lightning_elastic.membership.preemption``)?"""
         return self.settings is not None and PreemptionHandler.is_installed()
 
     def report(self, outcome: p.Outcome, message: str = "") -> None:

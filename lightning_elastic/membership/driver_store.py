@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 from lightning_elastic import protocol as p
-from lightning_elastic.client import DriverClient
+from lightning_elastic.membership.client import DriverClient
 from lightning_elastic.errors import CollectiveError
 
 POLL = 2.0  # longest the driver holds one GET; the store asks again until its timeout

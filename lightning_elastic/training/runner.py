@@ -6,8 +6,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lightning_elastic.recovery import RetryEngine
-from lightning_elastic.state import State
+from lightning_elastic.training.recovery import RetryEngine
+from lightning_elastic.training.state import State
 
 R = TypeVar("R")
 
@@ -49,7 +49,7 @@ class _StateRecovery:
 
 
 def run(func: Callable[..., R] | None = None) -> Callable[..., R]:
-    """Run ``func(state, ...)`` elastically (see ``lightning_elastic.recovery``).
+    """Run ``func(state, ...)`` elastically (see ``lightning_elastic.training.recovery``).
 
     A lost peer restores the last commit; a host change keeps the live state; either way the
     worker joins the next round, runs the reset callbacks, takes rank 0's state and calls

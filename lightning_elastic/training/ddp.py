@@ -9,7 +9,7 @@ same arguments. Building one is a collective, which every rank of the new group 
 at the same point: its first forward after the reset. torch's DDP broadcasts rank 0's
 parameters and buffers when it is built; when this round's state sync has already loaded
 the module on every rank (it is, or is part of, a module of a ``le.TorchState``), it is
-built with ``init_sync=False`` instead (``lightning_elastic.init_sync``). Gradients are
+built with ``init_sync=False`` instead (``lightning_elastic.commit.init_sync``). Gradients are
 all-reduced by torch's DDP itself: bucketed, overlapped with the backward pass.
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from lightning_elastic import init_sync
+from lightning_elastic.commit import init_sync
 from lightning_elastic.api import current_worker
 
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic import api
+from lightning_elastic.membership.worker import ElasticWorker
 
 
 class ElasticSampler(Sampler[int]):
@@ -136,9 +137,7 @@ class ElasticSampler(Sampler[int]):
         return torch.randperm(self.dataset_size, generator=g).tolist()
 
     def _world(self) -> tuple[int, int]:
-        worker = self._worker
-        if worker is None:
-            from lightning_elastic.api import _worker as worker  # noqa: PLC0415
+        worker = self._worker if self._worker is not None else api.initialised_worker()
         if worker is None:
             return 0, 1
         a = worker.assignment

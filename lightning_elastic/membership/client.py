@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import requests
 
 from lightning_elastic import protocol as p
-from lightning_elastic.driver_locator import DriverLocator
+from lightning_elastic.membership.driver_locator import DriverLocator
 from lightning_elastic.errors import RendezvousError
 
 T = TypeVar("T")

@@ -1,10 +1,10 @@
 """Training state that survives resets: committed in host memory, synced from rank 0.
 
-``commit()`` copies the state into host memory (``lightning_elastic.snapshot``: buffers
+``commit()`` copies the state into host memory (``lightning_elastic.commit.buffers``: buffers
 allocated once, never a torn commit) and checks for host changes. After a failure ``@run``
 restores the last commit; after an announced host change it keeps the live state. Either
 way, after the new round is formed every rank takes rank 0's state
-(``lightning_elastic.transfer``: tensors sent in place, in chunks, never pickled).
+(``lightning_elastic.commit.transfer``: tensors sent in place, in chunks, never pickled).
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
-from lightning_elastic import collectives, snapshot_store, transfer
-from lightning_elastic.snapshot import Committed, HostSnapshot, join
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic.commit import collectives, transfer
+from lightning_elastic.commit.buffers import Committed, HostSnapshot, join
+from lightning_elastic.durable import store as snapshot_store
+from lightning_elastic.durable.store import SnapshotInfo
+from lightning_elastic.membership.worker import ElasticWorker
+from lightning_elastic.training.sampler import ElasticSampler
 
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,24 @@ def broadcast_object(value: Any, worker: ElasticWorker, src: int = 0) -> Any:
     device = worker.device if worker.backend == "nccl" else torch.device("cpu")
     return collectives.broadcast_object(to_host(value) if rank == src else None, rank, src, device,
                                         worker.wait_collective)
+
+
+def info_of_state(values: dict[str, Any], stateful: dict[str, Any], commits: int, round_: int,
+                  world_size: int, kind: str = "state") -> SnapshotInfo:
+    """The manifest's numbers for a ``TorchState``/``ObjectState`` tree: its ``step`` and
+    ``epoch`` values when it has them (else the commit count and 0), and the position of an
+    ``ElasticSampler`` among its objects."""
+    step = values.get("step")
+    epoch = values.get("epoch")
+    sampler = next((obj.state_dict() for obj in stateful.values() if isinstance(obj, ElasticSampler)), None)
+    return SnapshotInfo(
+        round=round_,
+        step=step if isinstance(step, int) and not isinstance(step, bool) else commits,
+        epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0,
+        world_size=world_size,
+        sampler=sampler,
+        kind=kind,
+    )
 
 
 class State:
@@ -147,7 +168,7 @@ class ObjectState(State):
         if writer is None:
             return
         a = worker.assignment
-        info = snapshot_store.info_of_state(self._plain_values(), self._stateful_objects(),
+        info = info_of_state(self._plain_values(), self._stateful_objects(),
                                             worker.commits_total, a.round, a.size, self._snapshot_kind)
         writer.offer(self._snapshot, info, may_start=a.rank == 0)
 
@@ -253,7 +274,7 @@ class TorchState(ObjectState):
     def sync(self) -> None:
         super().sync()
         # Every rank's modules now hold rank 0's weights: the torch DDP built next on this
-        # round's group need not broadcast them again (lightning_elastic.init_sync).
+        # round's group need not broadcast them again (lightning_elastic.commit.init_sync).
         modules = [obj for obj in self._stateful().values() if isinstance(obj, torch.nn.Module)]
         self.worker.synced_modules.note(self.worker.assignment.round, modules)
 

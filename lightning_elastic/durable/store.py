@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_elastic import snapshot_files as files
-from lightning_elastic.snapshot import Committed, HostSnapshot
-from lightning_elastic.snapshot_files import (
+from lightning_elastic.durable import files
+from lightning_elastic.commit.buffers import Committed, HostSnapshot
+from lightning_elastic.durable.files import (
     ENV_DIR,
     ENV_EVERY,
     ENV_KEEP,
@@ -131,7 +131,7 @@ def _warn(text: str) -> None:
 def _versions() -> tuple[str, str]:
     import torch
 
-    from lightning_elastic import __version__
+    from lightning_elastic._version import __version__
 
     return __version__, str(torch.__version__)
 
@@ -313,26 +313,6 @@ def read_tree(path: Location) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - any unpickling error: one line naming the file
         raise SnapshotError(f"{path}: cannot be loaded ({type(err).__name__}: {err})") from None
-
-
-def info_of_state(values: dict[str, Any], stateful: dict[str, Any], commits: int, round_: int,
-                  world_size: int, kind: str = "state") -> SnapshotInfo:
-    """The manifest's numbers for a ``TorchState``/``ObjectState`` tree: its ``step`` and
-    ``epoch`` values when it has them (else the commit count and 0), and the position of an
-    ``ElasticSampler`` among its objects."""
-    from lightning_elastic.sampler import ElasticSampler
-
-    step = values.get("step")
-    epoch = values.get("epoch")
-    sampler = next((obj.state_dict() for obj in stateful.values() if isinstance(obj, ElasticSampler)), None)
-    return SnapshotInfo(
-        round=round_,
-        step=step if isinstance(step, int) and not isinstance(step, bool) else commits,
-        epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0,
-        world_size=world_size,
-        sampler=sampler,
-        kind=kind,
-    )
 
 
 def flatten(tree: dict[str, Any]) -> dict[str, Any]:
