@@ -23,7 +23,8 @@ from lightning_elastic import protocol as p
 from lightning_elastic.errors import CollectiveError
 from lightning_elastic.membership.host_check import HostCheck
 from lightning_elastic.membership.process_group import BackendChoice
-from lightning_elastic.membership.worker import ElasticWorker, wait_or_give_up
+from lightning_elastic.membership.collective_wait import wait_or_give_up
+from lightning_elastic.membership.worker import ElasticWorker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +34,7 @@ import torch, torch.distributed as dist
 from lightning_elastic.membership import group_sockets
 from lightning_elastic.membership.process_group import abandon_round_group
 from lightning_elastic.commit.transfer import send_tensors
-from lightning_elastic.membership.worker import wait_or_give_up
+from lightning_elastic.membership.collective_wait import wait_or_give_up
 
 rank, store = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3,
@@ -207,11 +208,11 @@ def test_the_host_checks_pending_all_reduce_of_a_broken_round_is_given_up() -> N
     work = ScriptedWork()
     worker = ElasticWorker(None)
     worker.settings = SimpleNamespace()
-    worker._backend = BackendChoice("gloo", torch.device("cpu"))
-    worker._last_broken_round = 1
+    worker._group.choice = BackendChoice("gloo", torch.device("cpu"))
+    worker._shared.last_broken_round = 1
     worker._assignment = p.Assignment(1, 0, 2, 0, 1, 0, 2, "localhost", "127.0.0.1", 1, 0)
     check = worker._new_host_check(worker._assignment, all_reduce=lambda flag: work)
     check.check(0)  # starts the background all-reduce
     with pytest.raises(CollectiveError, match="round 1 lost a member"):
         check.check(0)  # waits for it: given up after the worker's grace (2 s)
-    assert worker._group_abandoned
+    assert worker._group.abandoned

@@ -1,4 +1,4 @@
-"""lightning_elastic/membership/worker.py: the job secret read once from the launcher's pipe."""
+"""lightning_elastic/membership/settings.py: the job secret read once from the launcher's pipe."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from lightning_elastic import protocol as p
 from lightning_elastic.errors import RendezvousError
-from lightning_elastic.membership.worker import WorkerSettings, _read_secret
+from lightning_elastic.membership.settings import WorkerSettings, _read_secret
 
 
 def secret_pipe(secret: bytes) -> int:
