@@ -4,9 +4,8 @@ A *tree* is what ``state_dict()`` returns, or a Lightning checkpoint: dicts, lis
 tuples whose leaves are tensors and small Python values. A commit splits it into a
 *skeleton* (the tree with every tensor replaced by a ``TensorSlot``, its other leaves
 copied) and the tensors, which are copied with ``copy_`` into host tensors allocated at
-the first commit and reused by the next ones: fresh memory costs a page fault per 4 KiB,
-which made a commit run at a third of the speed of a copy into memory allocated once
-(measured: 2.6 against 9 GB/s).
+the first commit and reused by the next ones: fresh memory costs a page fault per 4 KiB
+on every commit (what that cost: docs/performance.md).
 
 Two sets of buffers alternate. A commit is written into the spare set and becomes the
 committed one only when every byte is there, so a failure part-way (an exception, a CUDA

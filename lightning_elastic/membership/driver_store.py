@@ -110,9 +110,8 @@ class DriverStore(dist.Store):
                 raise CollectiveError(f"{why} while its process group was forming ({what})")
             if remaining <= 0:
                 # A peer of the forming round did not publish in time: the formation failed,
-                # as a collective fails. The round is re-formed (the driver bounds repeats);
-                # a RendezvousError here ended the worker (seen once in CI: both members of
-                # a new round timed out waiting for each other's key, and the job failed).
+                # as a collective fails, so the round is re-formed (the driver bounds repeats)
+                # and the worker lives on (docs/reliability.md).
                 raise CollectiveError(f"{what} did not appear within {timeout.total_seconds():g} s")
 
     def add(self, key: str, amount: int) -> int:

@@ -3,7 +3,7 @@
 A peer that dies sends FIN or RST and gloo fails within milliseconds; a peer behind a
 link that went down sends nothing, and gloo waits for its full timeout. Gloo has no abort
 (``ProcessGroupGloo.abort()`` and ``_abort_process_group()`` leave a blocked collective
-waiting, measured on torch 2.13), but shutting down the group's own TCP sockets makes the
+waiting: docs/performance.md), but shutting down the group's own TCP sockets makes the
 blocked send or receive fail at once ("Connection closed by peer"), after which the group
 is destroyed and re-formed as after any lost peer.
 
@@ -46,9 +46,8 @@ def established(states: Collection[int] = (TCP_ESTABLISHED,)) -> dict[Connection
     """This process's connected TCP sockets (in ``states``), mapped to their descriptors.
 
     Read from the process's own descriptors (each socket's endpoints asked on a duplicate),
-    not from the system's connection table: psutil's walk of ``/proc/net/tcp`` took 11-15 ms
-    idle and 20-35 ms beside a starting worker, three times in each recovery; this takes
-    well under 1 ms. Only established connections count (the state is the first byte of
+    not from the system's connection table, whose walk costs milliseconds three times in
+    each recovery (docs/performance.md). Only established connections count (the state is the first byte of
     the kernel's ``tcp_info``): not a listener, nor one shut down or closed by its peer.
     """
     found = {}
@@ -107,8 +106,7 @@ def shut_down(connections: Collection[Connection]) -> int:
     The descriptor is duplicated and its endpoints checked on the duplicate first: gloo may
     have closed it since, and the number may now belong to another socket. One whose peer
     has already closed its end (the peer left the round first) is shut down too: gloo does
-    not always fail an operation pending on it (a stuck gloo collective of a broken round
-    was seen with both peers gone), and its own end shut down wakes gloo's poll on it.
+    not always fail an operation pending on it (docs/reliability.md), and its own end shut down wakes gloo's poll on it.
     """
     done = 0
     for conn, fd in established((TCP_ESTABLISHED, TCP_CLOSE_WAIT)).items():

@@ -5,9 +5,8 @@ knowledge common, so all ranks decide alike at the same call of ``check()``. The
 runs in the background between two collectives: a collective reads the result of the one
 before (done by then, so no wait) and starts the next, keeping the round trip off the step.
 
-A collective at every call is still not free: with three ranks on two cores, one small
-all-reduce per step cost a plain DDP loop 0.5-0.9 ms of a 5 ms step (measured: the same
-loop with no check ran as fast as under torchrun). A host change needs an answer within a
+A collective at every call is still not free (a measurable part of a small model's step:
+docs/performance.md). A host change needs an answer within a
 fraction of a second, not within one step, so calls that come faster than
 ``CHECK_PERIOD_S`` apart share one collective: each collective also carries every rank's
 proposal for how many calls to skip until the next one (from its own measured call rate),
@@ -35,8 +34,8 @@ from lightning_elastic.errors import HostsUpdatedInterrupt
 CHECK_PERIOD_S = 0.1
 # Never more calls than this between two collectives, however fast the calls come. The
 # spacing is agreed in calls from the rate measured before: when the calls slow down (a
-# joiner importing torch on the same cores made steps 15x slower in a test), a change
-# waits for up to this many of the slow calls.
+# joiner importing torch on the same cores), a change waits for up to this many of the
+# slow calls.
 MAX_CALLS_APART = 20
 
 

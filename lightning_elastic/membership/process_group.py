@@ -77,17 +77,15 @@ def nccl_environment(environ: dict[str, str] | os._Environ) -> dict[str, str]:
 
 # How long gloo may take to connect a round's peers to each other once their addresses are
 # in the store. gloo waits for a connection from a peer for five times the group's
-# timeout: when a peer dies between publishing its address and connecting, the others
-# waited 5 x --collective-timeout (hours) before this bound (reproduced in
-# tests/unit/test_process_group.py). Live peers connect within milliseconds of each other;
+# timeout: without this bound, a peer that dies between publishing its address and
+# connecting holds the others for 5 x --collective-timeout (docs/reliability.md). Live peers connect within milliseconds of each other;
 # the wait for their addresses is the store's, bounded and interruptible on its own.
 GLOO_CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
 
 
 # Beyond this many ranks, say once that gloo's bootstrap is quadratic in the store: each
-# rank reads every rank's address (2N + 1 store operations of 154 + 8N bytes each), which
-# the fleet simulation measured 0.6-0.9 s for 64 ranks and 9-12 s for 256 (131k requests);
-# 4,096 would need 34 million. NCCL's bootstrap is one or two requests per rank.
+# rank reads every rank's address (2N + 1 store operations of 154 + 8N bytes each): seconds
+# at 256 ranks (docs/performance.md). NCCL's bootstrap is one or two requests per rank.
 GLOO_LARGE_WORLD = 256
 
 
@@ -132,8 +130,7 @@ def _forget_failed_formation() -> None:
     destroy resets, and keys the group's store entries with that name. A formation that
     failed (a peer died while connecting) has nothing to destroy but counted its group: the
     next round's keys on this rank would be "…/1/…" while every other rank's are "…/0/…",
-    and no round could form again (seen in the chaos test of a second worker killed while
-    the first recovery re-forms).
+    and no round could form again (docs/reliability.md).
     """
     if dist.is_initialized():
         destroy_round_group()

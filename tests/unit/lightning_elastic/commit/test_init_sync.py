@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_elastic import api, init_sync
+from lightning_elastic import api
+from lightning_elastic.commit import init_sync
 from lightning_elastic.training.ddp import DistributedDataParallel
 from lightning_elastic.commit.init_sync import SyncedModules, agree, ddp_kwargs_for, fingerprint, needs_init_sync
 from lightning_elastic.training.state import TorchState
