@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from lightning_elastic.durable.fs import (  # noqa: F401 - re-exported: snapshot_files is the API
+from lightning_elastic.durable.fs import (  # noqa: F401 - re-exported: files is the API
     TEMP_PREFIX,
     Location,
     SnapshotError,

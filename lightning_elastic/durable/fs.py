@@ -1,6 +1,6 @@
 """Where snapshots are kept: a local directory, or an fsspec URL (an object store).
 
-The snapshot logic (``snapshot_files``) reads and writes through one small interface,
+The snapshot logic (``durable.files``) reads and writes through one small interface,
 ``Store``: list the names in the directory, read, size, write one file, delete. Two kinds:
 
 * ``LocalStore`` (a path): a file is written under a temporary name, fsynced, renamed into

@@ -4,7 +4,7 @@ One rank per round (rank 0: it holds the newest commit, and every other rank tak
 state) offers its ``HostSnapshot`` to a ``SnapshotWriter`` after every commit. When a
 snapshot is due (``every`` seconds after the previous one started) and none is being
 written, the writer leases the newest commit's host buffers (``HostSnapshot.lease``) and a
-thread of its own writes them to disk (``snapshot_files``: temporary name, fsync, atomic
+thread of its own writes them to disk (``durable.files``: temporary name, fsync, atomic
 rename, checksummed manifest, the last ``keep`` kept). The training thread only takes the
 lease: it never waits for the disk.
 
@@ -247,7 +247,7 @@ class SnapshotWriter:
                     raise writer.error from None  # "No space left on device", not torch's "unexpected pos"
                 raise
 
-        directory.write(f"snapshot-{sequence}.pt", fill)  # atomically: see snapshot_fs
+        directory.write(f"snapshot-{sequence}.pt", fill)  # atomically: see durable.fs
         library, torch_version = _versions()
         manifest = Manifest(
             sequence=sequence, round=info.round, step=info.step, epoch=info.epoch, world_size=info.world_size,

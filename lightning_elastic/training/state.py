@@ -130,7 +130,7 @@ class State:
 class ObjectState(State):
     """Plain Python values, kept as attributes: ``state.epoch += 1``."""
 
-    # How a durable snapshot lays the tree out (snapshot_store): "state" keeps
+    # How a durable snapshot lays the tree out (durable.store): "state" keeps
     # {"values", "stateful"}; "fabric" writes one flat dict, as fabric.save does.
     _snapshot_kind = "state"
 
