@@ -172,7 +172,7 @@ class SimulatedWorker:
             self._stats.requests += 1
             if status == 409:
                 # The driver counts this worker as gone (it missed its heartbeats): the real
-                # worker exits with status 1 (ElasticWorker._heartbeat_loop).
+                # worker exits with status 1 (lightning_elastic.membership.heartbeat.Heartbeat.run).
                 self._stats.disowned += 1
                 self.exit(1)
                 raise asyncio.CancelledError
