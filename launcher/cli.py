@@ -26,7 +26,7 @@ from lightning_elastic.launcher.job.slots import HostSlots, count_slots, parse_h
 from lightning_elastic.launcher.observe.log_writer import BackgroundStreamHandler
 from lightning_elastic.launcher.hosts.network import explicit_driver_address
 from lightning_elastic.launcher.processes.output import WRITE_ERRORS, flush_or_discard
-from lightning_elastic.snapshot_files import SnapshotError, SnapshotSettings, is_url
+from lightning_elastic.durable.files import SnapshotError, SnapshotSettings, is_url
 
 PROG = "lightning-elastic"
 ENV_PREFIX = "LIGHTNING_ELASTIC_"

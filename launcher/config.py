@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.job.slots import HostSlots, count_slots
-from lightning_elastic.snapshot_files import SnapshotSettings
+from lightning_elastic.durable.files import SnapshotSettings
 
 
 # The longest a worker's question about an error is held by the driver (one long poll).
@@ -185,7 +185,7 @@ class LaunchConfig:
     # consecutive rounds with no commit in between (0: never).
     repeated_error_limit: int = 3
     # --snapshot-dir/--snapshot-every/--snapshot-keep/--no-resume: durable snapshots of the
-    # newest commit, and the one a launch resumes from (lightning_elastic.snapshot_files).
+    # newest commit, and the one a launch resumes from (lightning_elastic.durable.files).
     snapshots: SnapshotSettings | None = None
     # --state-dir: where the driver keeps what a restarted driver needs to adopt the job
     # (launcher/restart/state_dir.py); local workers then outlive the driver. None: they die with it.

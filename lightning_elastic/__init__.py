@@ -18,6 +18,7 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from lightning_elastic._version import __version__
 from lightning_elastic.import_hook import call_after_import
 
 # Every public name loads on first use (PEP 562): the driver and the ssh supervisor import
@@ -26,12 +27,12 @@ from lightning_elastic.import_hook import call_after_import
 _EXPORTS = {
     "lightning_elastic.api": ("cross_rank", "cross_size", "current_worker", "init", "local_rank",
                               "load_snapshot", "local_size", "rank", "size", "slot_info"),
-    "lightning_elastic.ddp": ("DistributedDataParallel",),
+    "lightning_elastic.training.ddp": ("DistributedDataParallel",),
     "lightning_elastic.errors": ("CollectiveError", "ElasticError", "HostsUpdatedInterrupt", "RendezvousError"),
-    "lightning_elastic.runner": ("run",),
-    "lightning_elastic.sampler": ("ElasticSampler",),
-    "lightning_elastic.state": ("ObjectState", "State", "TorchState"),
-    "lightning_elastic.worker": ("ElasticWorker", "SlotInfo"),
+    "lightning_elastic.training.runner": ("run",),
+    "lightning_elastic.training.sampler": ("ElasticSampler",),
+    "lightning_elastic.training.state": ("ObjectState", "State", "TorchState"),
+    "lightning_elastic.membership.worker": ("ElasticWorker", "SlotInfo"),
     "lightning_elastic.lightning": ("ElasticCallback", "ElasticStrategy", "ScaleLearningRate"),
     "lightning_elastic.fabric": ("ElasticFabricStrategy", "FabricState"),
 }
@@ -50,16 +51,14 @@ if TYPE_CHECKING:
         size,
         slot_info,
     )
-    from lightning_elastic.ddp import DistributedDataParallel
     from lightning_elastic.errors import CollectiveError, ElasticError, HostsUpdatedInterrupt, RendezvousError
     from lightning_elastic.fabric import ElasticFabricStrategy, FabricState
     from lightning_elastic.lightning import ElasticCallback, ElasticStrategy, ScaleLearningRate
-    from lightning_elastic.runner import run
-    from lightning_elastic.sampler import ElasticSampler
-    from lightning_elastic.state import ObjectState, State, TorchState
-    from lightning_elastic.worker import ElasticWorker, SlotInfo
-
-__version__ = "0.1.0"
+    from lightning_elastic.membership.worker import ElasticWorker, SlotInfo
+    from lightning_elastic.training.ddp import DistributedDataParallel
+    from lightning_elastic.training.runner import run
+    from lightning_elastic.training.sampler import ElasticSampler
+    from lightning_elastic.training.state import ObjectState, State, TorchState
 
 
 def __getattr__(name: str) -> Any:

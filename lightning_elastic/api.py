@@ -12,9 +12,8 @@ import os
 import sys
 from typing import Any
 
-from lightning_elastic import snapshot_store
-
-from lightning_elastic.worker import ElasticWorker, SlotInfo
+from lightning_elastic.durable import store as snapshot_store
+from lightning_elastic.membership.worker import ElasticWorker, SlotInfo
 
 _worker: ElasticWorker | None = None
 
@@ -72,6 +71,12 @@ def current_worker() -> ElasticWorker:
     """
     if _worker is None:
         raise RuntimeError("lightning_elastic is not initialised: call lightning_elastic.init() first")
+    return _worker
+
+
+def initialised_worker() -> ElasticWorker | None:
+    """The worker ``init()`` made, or ``None`` before it (what a default ``ElasticSampler``
+    follows: a world of one until ``init()``)."""
     return _worker
 
 

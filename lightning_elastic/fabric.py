@@ -43,11 +43,11 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 
 from lightning_elastic import protocol as p
 from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked
-from lightning_elastic.process_group import validate_backend, validate_timeout
-from lightning_elastic.recovery import describe_error
-from lightning_elastic.sampler import ElasticSampler
-from lightning_elastic.state import TorchState, broadcast_object
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic.membership.process_group import validate_backend, validate_timeout
+from lightning_elastic.training.recovery import describe_error
+from lightning_elastic.training.sampler import ElasticSampler
+from lightning_elastic.training.state import TorchState, broadcast_object
+from lightning_elastic.membership.worker import ElasticWorker
 
 STRATEGY_NAME = "elastic_hvd"
 

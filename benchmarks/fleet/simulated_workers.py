@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_elastic import protocol as p
-from lightning_elastic.client import RETRY_FOR, backoff, first_request_spread, heartbeat_hold, heartbeat_retry_delay
+from lightning_elastic.membership.client import RETRY_FOR, backoff, first_request_spread, heartbeat_hold, heartbeat_retry_delay
 
 
 
@@ -172,7 +172,7 @@ class SimulatedWorker:
             self._stats.requests += 1
             if status == 409:
                 # The driver counts this worker as gone (it missed its heartbeats): the real
-                # worker exits with status 1 (ElasticWorker._heartbeat_loop).
+                # worker exits with status 1 (lightning_elastic.membership.heartbeat.Heartbeat.run).
                 self._stats.disowned += 1
                 self.exit(1)
                 raise asyncio.CancelledError

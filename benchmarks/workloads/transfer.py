@@ -11,7 +11,7 @@ a barrier:
 - ``sync``: ``state.sync()`` (rank 0's state, model and optimizer, onto every rank);
 - ``broadcast``: ``dist.broadcast`` from rank 0 of one flat uint8 tensor with as many bytes
   as rank 0's state tensors (allocated and touched beforehand), in the same group;
-- ``transfer``: the transfer inside ``sync`` alone (``lightning_elastic.transfer.broadcast_commit``
+- ``transfer``: the transfer inside ``sync`` alone (``lightning_elastic.commit.transfer.broadcast_commit``
   of rank 0's commit): into a joiner's new buffers (``transfer_fresh_s``), and a third time
   into the same snapshot, whose spare buffers are reused as a survivor's are
   (``transfer_reused_s``). ``sync`` adds rank 0's save and rank 1's restore to it.
@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 import _shared as sh
 import lightning_elastic as le
-from lightning_elastic.snapshot import HostSnapshot
-from lightning_elastic.transfer import broadcast_commit
+from lightning_elastic.commit.buffers import HostSnapshot
+from lightning_elastic.commit.transfer import broadcast_commit
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -3,7 +3,7 @@ summary's counts.
 
 The choice is made once, when the job starts and before any worker does (so it may read
 and checksum files: the decision loop is not running yet). Workers learn it from their
-environment; rank 0 of the first round loads it (``lightning_elastic.state``, the
+environment; rank 0 of the first round loads it (``lightning_elastic.training.state``, the
 Lightning strategy).
 """
 
@@ -14,10 +14,7 @@ import logging
 from collections.abc import Iterable
 
 from lightning_elastic import __version__
-from lightning_elastic.launcher.errors import ConfigError
-from lightning_elastic.launcher.observe.events import EventLog
-from lightning_elastic.launcher.job.state import WorkerRecord
-from lightning_elastic.snapshot_files import (
+from lightning_elastic.durable.files import (
     ENV_DIR,
     ENV_EVERY,
     ENV_JOB_ID,
@@ -31,6 +28,9 @@ from lightning_elastic.snapshot_files import (
     newest_valid,
     open_store,
 )
+from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.job.state import WorkerRecord
+from lightning_elastic.launcher.observe.events import EventLog
 
 log = logging.getLogger("lightning_elastic.driver")
 

@@ -10,7 +10,7 @@ The directory holds:
   file + rename) by a writer thread, never by the decision loop itself;
 - ``alive``: touched every second by the running driver; its age on restart is the outage;
 - ``driver-url``: ``http://HOST:PORT`` where the running driver serves, one line. A worker
-  that cannot reach its driver re-reads it (``lightning_elastic/driver_locator.py``): a
+  that cannot reach its driver re-reads it (``lightning_elastic/membership/driver_locator.py``): a
   driver restarted on another machine (the directory on a shared filesystem) is found so;
 - ``workers/``: per worker, its output (``ID.log``, written by the worker itself, so a dead
   driver breaks nothing), how far the driver forwarded it (``ID.offset``) and its exit

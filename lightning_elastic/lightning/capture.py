@@ -27,7 +27,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
 from lightning_elastic.lightning import compat
-from lightning_elastic.snapshot import TensorSlot, split
+from lightning_elastic.commit.buffers import TensorSlot, split
 
 # Checkpoint keys a commit rebuilds at every step; every other key comes from the template
 # ("loops" partly: the validate, test and predict loops do not run during a fit).

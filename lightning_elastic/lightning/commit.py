@@ -2,10 +2,10 @@
 
 A commit is a checkpoint dict as Lightning loads it (model, optimizers, LR schedulers,
 loops with mid-epoch progress, callbacks) copied into host buffers that are reused
-(``lightning_elastic.snapshot``), plus what Lightning's checkpoint leaves out and an elastic
+(``lightning_elastic.commit.buffers``), plus what Lightning's checkpoint leaves out and an elastic
 restart needs: RNG states, the elastic sampler's position and the world size it was taken
 at. A new world agrees on the newest commit and its source rank sends it to every rank
-tensor by tensor (``lightning_elastic.transfer``).
+tensor by tensor (``lightning_elastic.commit.transfer``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from lightning_elastic import collectives
+from lightning_elastic.commit import collectives
 from lightning_elastic.lightning import compat
-from lightning_elastic.sampler import epoch_batches_done
-from lightning_elastic.snapshot import Committed, HostSnapshot, join, split
-from lightning_elastic.snapshot_files import SnapshotError
-from lightning_elastic.snapshot_store import SnapshotInfo, read_tree
-from lightning_elastic.state import broadcast_object
-from lightning_elastic.transfer import broadcast_commit
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic.training.sampler import epoch_batches_done
+from lightning_elastic.commit.buffers import Committed, HostSnapshot, join, split
+from lightning_elastic.durable.files import SnapshotError
+from lightning_elastic.durable.store import SnapshotInfo, read_tree
+from lightning_elastic.training.state import broadcast_object
+from lightning_elastic.commit.transfer import broadcast_commit
+from lightning_elastic.membership.worker import ElasticWorker
 
 # The ``ckpt_path`` the fit launcher passes to Lightning to mean "the agreed commit".
 COMMIT_MARKER = "lightning-elastic:in-memory-commit"

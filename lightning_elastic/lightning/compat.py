@@ -195,7 +195,7 @@ def route_sigterm(trainer: pl.Trainer, elastic: bool) -> None:
     Lightning (>= 2.6) broadcasts a SIGTERM flag from rank 0 at every step, and its SIGTERM
     handler itself calls ``dist.broadcast``: a SIGTERM to any rank but 0 makes that rank
     enter a collective nobody else is in, and the whole group fails. In an elastic job the
-    worker's own handler (``lightning_elastic.preemption``, chained by Lightning's) turns a
+    worker's own handler (``lightning_elastic.membership.preemption``, chained by Lightning's) turns a
     SIGTERM into a graceful leave, so both are replaced by no-ops. Outside a launch (a world
     of one) a SIGTERM ends the fit as Lightning would end it, checked locally.
     """

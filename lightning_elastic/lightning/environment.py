@@ -15,8 +15,9 @@ import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_elastic import api, snapshot_store
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic import api
+from lightning_elastic.durable import store as snapshot_store
+from lightning_elastic.membership.worker import ElasticWorker
 
 
 class HasWorker(Protocol):

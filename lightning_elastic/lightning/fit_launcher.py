@@ -2,7 +2,7 @@
 
 Lightning hands its launcher the stage function. Only ``fit`` is retried; validate, test
 and predict run once, as with DDP. The retry cycle is the one of ``@run``
-(``lightning_elastic.recovery``); what differs is how a new world is prepared: every fit
+(``lightning_elastic.training.recovery``); what differs is how a new world is prepared: every fit
 attempt first agrees on the newest in-memory commit and resumes from it, so a host change
 (whose interrupt is raised right after a commit of the live state) loses nothing and a lost
 peer goes back to the last commit.
@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.callbacks import ensure_elastic_callback
 from lightning_elastic.lightning.commit import COMMIT_MARKER
-from lightning_elastic.recovery import RetryEngine
+from lightning_elastic.training.recovery import RetryEngine
 
 _FIT_ARGUMENTS = ("model", "train_dataloaders", "val_dataloaders", "datamodule", "ckpt_path", "weights_only")
 

@@ -1,7 +1,7 @@
 """``ElasticStrategy`` (``strategy="elastic_hvd"``): DDP whose world is re-formed in-process.
 
 Rank and world size come from the driver's rendezvous and change at every reset. The
-process group belongs to the worker (``lightning_elastic.worker``), not to Lightning: the
+process group belongs to the worker (``lightning_elastic.membership.worker``), not to Lightning: the
 strategy never calls ``init_process_group``. ``ElasticFitLauncher`` runs ``fit`` again in
 the same process after a reset; this class supplies what that needs: the in-memory commit,
 a checkpoint path that means "the agreed commit", the elastic training sampler and the
@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 import lightning.pytorch as pl
-from lightning_elastic import init_sync
+from lightning_elastic.commit import init_sync
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.commit import (
     COMMIT_MARKER,
@@ -37,10 +37,10 @@ from lightning_elastic.lightning.commit import (
 )
 from lightning_elastic.lightning.capture import CheckpointCapture
 from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked
-from lightning_elastic.process_group import validate_backend, validate_timeout
-from lightning_elastic.sampler import ElasticSampler
-from lightning_elastic.snapshot import HostSnapshot
-from lightning_elastic.worker import ElasticWorker
+from lightning_elastic.membership.process_group import validate_backend, validate_timeout
+from lightning_elastic.training.sampler import ElasticSampler
+from lightning_elastic.commit.buffers import HostSnapshot
+from lightning_elastic.membership.worker import ElasticWorker
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
 
     def configure_ddp(self) -> None:
         # After a reset every rank holds the agreed commit's weights: torch's DDP is built
-        # without its initial broadcast of them (lightning_elastic.init_sync decides, with
+        # without its initial broadcast of them (lightning_elastic.commit.init_sync decides, with
         # every rank; never on a first fit, whose ranks may hold different initial weights).
         synced, self._weights_synced = self._weights_synced, False
         a = self.worker.assignment

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from lightning_elastic.errors import HostsUpdatedInterrupt
-from lightning_elastic.init_sync import SyncedModules
+from lightning_elastic.commit.init_sync import SyncedModules
 from lightning_elastic.protocol import Assignment
 
 
@@ -86,7 +86,7 @@ class FakeWorker:
 
 
 # Imported once by the forkserver: what the ranks of the unit tests need...
-PRELOAD = ["torch", "torch.distributed", "lightning_elastic.state", "lightning_elastic.sampler", "tests.unit.fakes"]
+PRELOAD = ["torch", "torch.distributed", "lightning_elastic.training.state", "lightning_elastic.training.sampler", "tests.unit.fakes"]
 # ...and, when this session's tests have imported them already, these (Lightning: some 3 s).
 PRELOAD_IF_IMPORTED = ["lightning_elastic.lightning.commit"]
 

@@ -22,7 +22,7 @@ import torch
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.config import RaySettings
 from lightning_elastic.launcher.errors import ConfigError
-from lightning_elastic.worker import ElasticWorker, WorkerSettings
+from lightning_elastic.membership.worker import ElasticWorker, WorkerSettings
 
 ray = pytest.importorskip("ray")
 

@@ -234,7 +234,7 @@ def test_a_patience_that_is_not_a_positive_number_is_refused(value):
 
 
 def test_a_worker_waits_for_its_driver_for_the_patience():
-    from lightning_elastic.worker import WorkerSettings
+    from lightning_elastic.membership.worker import WorkerSettings
 
     base = dict(driver_url="http://x", secret="s", worker_id="w", hostname="h", heartbeat_interval=1.0,
                 heartbeat_timeout=10.0, elastic_timeout=600.0, lost_member_wait=5.0, process_group_timeout=60.0,

@@ -24,7 +24,7 @@ from lightning_elastic.launcher.job.state import WorkerState
 from lightning_elastic.launcher.service.registry import Registry
 from lightning_elastic.launcher.service.rendezvous_server import MAX_BODY, TIMESTAMP_WINDOW, RendezvousServer
 from lightning_elastic import protocol as p
-from lightning_elastic.client import DriverClient
+from lightning_elastic.membership.client import DriverClient
 from lightning_elastic.errors import RendezvousError
 
 pytestmark = pytest.mark.timeout(60)

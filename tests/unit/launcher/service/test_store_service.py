@@ -1,4 +1,4 @@
-"""launcher/service/store_service.py and lightning_elastic/driver_store.py: the signed process-group store.
+"""launcher/service/store_service.py and lightning_elastic/membership/driver_store.py: the signed process-group store.
 
 The driver side is tested directly; the worker side against the real rendezvous service on
 loopback, including a real gloo group formed through it.
@@ -20,8 +20,8 @@ from lightning_elastic.launcher.service.rendezvous_server import RendezvousServe
 from lightning_elastic.launcher.service.long_poll import LongPoll
 from lightning_elastic.launcher.service.store_service import MAX_KEYS, MAX_REMEMBERED, KeyValueStore
 from lightning_elastic import protocol as p
-from lightning_elastic.client import DriverClient
-from lightning_elastic.driver_store import DriverStore
+from lightning_elastic.membership.client import DriverClient
+from lightning_elastic.membership.driver_store import DriverStore
 from lightning_elastic.errors import CollectiveError, RendezvousError
 
 SECRET = "ab" * 32
@@ -268,8 +268,8 @@ def test_a_store_without_the_secret_is_refused_and_changes_nothing(service):
 
 RANK_SCRIPT = """
 import datetime, sys, torch, torch.distributed as dist
-from lightning_elastic.client import DriverClient
-from lightning_elastic.driver_store import DriverStore
+from lightning_elastic.membership.client import DriverClient
+from lightning_elastic.membership.driver_store import DriverStore
 url, secret, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = DriverStore(DriverClient(url, secret, f"w{rank}"), datetime.timedelta(seconds=20))
 dist.init_process_group("gloo", store=dist.PrefixStore("lightning_elastic/round/1", store), rank=rank, world_size=2)

@@ -1,0 +1,276 @@
+"""Durable snapshots on disk: their layout, manifests, checksums, and which one to resume.
+
+Standard library only: the driver picks the snapshot a launch resumes from without
+importing torch. A snapshot ``N`` is two files in the snapshot directory:
+
+* ``snapshot-N.pt``: the committed state tree as ``torch.save`` writes it (for an
+  ``elastic_hvd`` job, a Lightning checkpoint);
+* ``snapshot-N.json``: its manifest (``Manifest``), with the data file's SHA-256.
+
+Both are written under a temporary name, fsynced and renamed into place, data file first:
+the manifest's rename is what makes a snapshot exist, so a crash at any moment leaves
+either a complete snapshot or none (a stray temporary file, removed by the next writer).
+A data file that no longer matches its manifest's checksum (truncated, overwritten) is
+skipped when resuming, with a warning, in favour of the previous snapshot.
+
+The directory may also be an fsspec URL (``s3://bucket/prefix``): every file operation
+goes through a ``snapshot_fs.Store``, which for an object store writes each file under
+its final name (no rename there); the manifest, written last, still decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
+
+from lightning_elastic.durable.fs import (  # noqa: F401 - re-exported: files is the API
+    TEMP_PREFIX,
+    Location,
+    SnapshotError,
+    Store,
+    as_location,
+    base_name,
+    fsync_directory,
+    check_url,
+    is_url,
+    open_store,
+    split,
+    write_atomically,
+)
+
+# The manifest's format: a snapshot written by a newer format is refused, not guessed at.
+FORMAT = 1
+_NAME = re.compile(r"^snapshot-(\d{1,12})\.json$")
+_CHUNK = 1 << 22
+
+# What the launcher tells its workers (--snapshot-*); read by lightning_elastic.durable.store.
+ENV_DIR = "LIGHTNING_ELASTIC_SNAPSHOT_DIR"
+ENV_EVERY = "LIGHTNING_ELASTIC_SNAPSHOT_EVERY"
+ENV_KEEP = "LIGHTNING_ELASTIC_SNAPSHOT_KEEP"
+ENV_NO_RESUME = "LIGHTNING_ELASTIC_NO_RESUME"
+# The data file of the snapshot the driver chose (and verified) for this launch to resume from.
+ENV_RESUME_FROM = "LIGHTNING_ELASTIC_RESUME_FROM"
+ENV_JOB_ID = "LIGHTNING_ELASTIC_JOB_ID"  # the launch's job id, recorded in each manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotSettings:
+    """Where and how often the newest commit is persisted (``--snapshot-*``)."""
+
+    directory: Location  # a Path, or an fsspec URL (a str)
+    every: float = 60.0  # seconds between the starts of two snapshots
+    keep: int = 2  # complete snapshots kept; older ones are deleted
+    resume: bool = True  # False: --no-resume, start over even if the directory holds snapshots
+
+    def __post_init__(self) -> None:
+        if not str(self.directory).strip():
+            raise SnapshotError("--snapshot-dir: expected a directory, got an empty path")
+        object.__setattr__(self, "directory", as_location(self.directory))
+        if isinstance(self.directory, str):
+            check_url(self.directory)
+        elif self.directory.exists() and not self.directory.is_dir():
+            raise SnapshotError(f"--snapshot-dir: {self.directory} is a file, expected a directory")
+        # "not > 0" refuses NaN too; inf would mean never.
+        if not (self.every > 0 and math.isfinite(self.every)):
+            raise SnapshotError(f"--snapshot-every: expected a positive, finite number of seconds, got {self.every}")
+        if self.keep < 1:
+            raise SnapshotError(f"--snapshot-keep: expected 1 or more snapshots to keep, got {self.keep}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What a snapshot holds, written next to it as JSON."""
+
+    sequence: int  # N of snapshot-N: increases with every snapshot written to the directory
+    round: int  # the round whose rank 0 committed it
+    step: int  # the training step of the commit (the state's step or the commit count)
+    epoch: int
+    world_size: int
+    sampler: dict[str, int] | None  # the ElasticSampler's position: epoch and samples consumed
+    time: float  # wall clock when the commit was taken for writing
+    library: str  # lightning-elastic version
+    torch: str
+    job_id: str  # the launch that wrote it (same command: same id); "" when unknown
+    kind: str  # "state" (le.TorchState / ObjectState), "lightning" (a checkpoint), "fabric"
+    sha256: str  # of the data file
+    size: int  # the data file's bytes
+    format: int = FORMAT
+
+    @property
+    def data_name(self) -> str:
+        return f"snapshot-{self.sequence}.pt"
+
+    @property
+    def manifest_name(self) -> str:
+        return f"snapshot-{self.sequence}.json"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> Manifest:
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise SnapshotError(f"{where}: not a JSON manifest ({err})") from None
+        if not isinstance(data, dict):
+            raise SnapshotError(f"{where}: expected a JSON object")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(fields - set(data) - {"format"})
+        if missing:
+            raise SnapshotError(f"{where}: missing field(s) {', '.join(missing)}")
+        fmt = data.get("format", FORMAT)
+        if not isinstance(fmt, int) or fmt > FORMAT:
+            raise SnapshotError(f"{where}: written in snapshot format {fmt!r}, this lightning-elastic reads "
+                                f"format {FORMAT} and older: resume with the version that wrote it")
+        values = {k: v for k, v in data.items() if k in fields}
+        for name, kind in (("sequence", int), ("step", int), ("round", int), ("size", int), ("sha256", str)):
+            if not isinstance(values[name], kind) or isinstance(values[name], bool):
+                raise SnapshotError(f"{where}: field {name} is not {kind.__name__}")
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A snapshot on disk: its manifest and the data file's path (or URL)."""
+
+    manifest: Manifest
+    path: Location
+
+    @property
+    def name(self) -> str:
+        return self.manifest.data_name
+
+
+class HashingWriter:
+    """A file opened for writing that hashes what goes through it (``torch.save`` takes it)."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._hash = hashlib.sha256()
+        self.size = 0
+        # The file's own error: torch.save's C++ writer reports a failed write as
+        # "unexpected pos ..." (a full disk among them), which names no cause.
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self.size += len(view)
+        try:
+            return self._file.write(view)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def file_sha256(path: Location) -> str:
+    store, name = split(path)
+    return store_sha256(store, name)
+
+
+def store_sha256(store: Store, name: str) -> str:
+    digest = hashlib.sha256()
+    with store.open_read(name) as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def next_sequence(directory: Location | Store) -> int:
+    """One more than the highest snapshot number in ``directory`` (1 when there is none)."""
+    numbers = [n for n, _ in _manifest_files(open_store(directory))]
+    return max(numbers, default=0) + 1
+
+
+def _manifest_files(store: Store) -> list[tuple[int, str]]:
+    """``(number, manifest name)`` of each snapshot, oldest first."""
+    found = []
+    for name in store.names():
+        match = _NAME.match(name)
+        if match:
+            found.append((int(match.group(1)), name))
+    return sorted(found)
+
+
+def publish(directory: Location | Store, manifest: Manifest) -> None:
+    """Write ``manifest`` next to its data file, which is complete and durable already."""
+    text = manifest.to_json().encode()
+    open_store(directory).write(manifest.manifest_name, lambda f: f.write(text))
+
+
+def prune(directory: Location | Store, keep: int) -> None:
+    """Delete all but the newest ``keep`` snapshots (manifest first: a snapshot stops
+    existing before its data goes) and temporary files left by a crashed writer."""
+    store = open_store(directory)
+    manifests = _manifest_files(store)
+    for number, manifest in manifests[: max(0, len(manifests) - keep)]:
+        for name in (manifest, f"snapshot-{number}.pt"):
+            store.delete(name)
+    store.clean_up()
+
+
+def snapshots(directory: Location | Store) -> Iterator[tuple[int, Location]]:
+    """``(number, manifest path)`` of every snapshot in ``directory``, newest first."""
+    store = open_store(directory)
+    return iter([(n, store.location(name)) for n, name in reversed(_manifest_files(store))])
+
+
+def check(manifest_path: Location, verify: bool = True) -> Found:
+    """The snapshot of ``manifest_path``, its checksum verified; ``SnapshotError`` says why not."""
+    store, name = split(manifest_path)
+    return _check(store, name, verify)
+
+
+def _check(store: Store, manifest_name: str, verify: bool) -> Found:
+    where = store.location(manifest_name)
+    try:
+        text = store.read_bytes(manifest_name).decode()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SnapshotError(f"{where}: cannot read the manifest ({err})") from None
+    manifest = Manifest.from_json(text, str(where))
+    data = store.location(manifest.data_name)
+    try:
+        size = store.size(manifest.data_name)
+    except OSError as err:
+        raise SnapshotError(f"{data}: {err.strerror or err}") from None
+    if size != manifest.size:
+        raise SnapshotError(f"{data}: {size} bytes, its manifest says {manifest.size} (torn or truncated)")
+    if verify:
+        try:
+            digest = store_sha256(store, manifest.data_name)
+        except OSError as err:
+            raise SnapshotError(f"{data}: {err.strerror or err}") from None
+        if digest != manifest.sha256:
+            raise SnapshotError(f"{data}: checksum mismatch (corrupt or overwritten)")
+    return Found(manifest, data)
+
+
+def newest_valid(directory: Location | Store, warn: Callable[[str], None]) -> Found | None:
+    """The newest snapshot in ``directory`` whose data matches its manifest, or None.
+
+    Each newer one that does not is named through ``warn`` and skipped.
+    """
+    store = open_store(directory)
+    for _, manifest_name in reversed(_manifest_files(store)):
+        try:
+            return _check(store, manifest_name, verify=True)
+        except SnapshotError as err:
+            warn(f"skipping snapshot {manifest_name}: {err}")
+    return None
+
+
+def job_id_of(command: tuple[str, ...] | list[str]) -> str:
+    """A launch's job id: the same command line (hence a relaunch of it) has the same one."""
+    return hashlib.sha256("\0".join(command).encode()).hexdigest()[:16]
