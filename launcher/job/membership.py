@@ -6,7 +6,8 @@ what these return:
 
 * ``plan``: the target world (oldest hosts first, at most --max-np, without the slots of
   workers leaving on a preemption notice), the standby slots after it (--spares), which
-  live workers must leave, which slots need a new worker;
+  live workers must leave, which slots need a new worker; the members holding the state
+  stay in it until it has reached a worker that stays (``state_holders_kept``);
 * ``announcement_due``: whether to bump the generation so the members of the current round
   stop at the same step (a removal at once; joiners once they wait at the rendezvous);
 * ``round_to_form``: the members of the next round. The first round waits for its whole
@@ -81,6 +82,9 @@ def plan(view: MembershipView) -> Plan | None:
     the target (the slots are in host order, so a spare's slot is the next one taken).
     """
     desired = assign_slots(view.hosts, view.max_np + view.spares, vacant_slots(view))
+    held = state_holders_kept(view, [a.slot for a in desired[:view.max_np]])
+    if held:
+        desired = assign_ranks([*held, *(a.slot for a in desired)][:view.max_np + view.spares])
     # Ranks over the target alone only when standby slots were planned after it: otherwise
     # the planned world is the target, ranks and all (a pass at every decision, O(N)).
     if len(desired) <= view.max_np:
@@ -99,6 +103,29 @@ def plan(view: MembershipView) -> Plan | None:
         spawn=tuple(a for a in desired if a.slot not in staffed),
         standby=standby,
     )
+
+
+def state_holders_kept(view: MembershipView, target: list[SlotKey]) -> tuple[SlotKey, ...]:
+    """The slots of the current round's members to keep in the target although their hosts
+    left the list: none of them is in ``target`` (every holder of the state would go), and a
+    worker that stays is coming (``target`` is not empty).
+
+    A graceful removal never loses the state: the members stay (leading the ranks, so rank 0
+    holds the state) until the round formed with the joiners has given it to them; the plan
+    after that round lets them go. Only a fault may lose the state. (An operator moving a job
+    H1 -> H1,H2 -> H2,H3 -> H3 removes H2 before H3's workers have joined.) The wait is as
+    long as the joiners' start, which --start-timeout bounds. At most ``max_np - 1`` members
+    are kept, so that a joiner's slot always remains.
+    """
+    if not view.round_number or not target:
+        return ()
+    live = {w.worker_id: w for w in view.workers}
+    holders = [m.slot for m in view.round_members
+               if (w := live.get(m.worker_id)) is not None and not w.state.finished and not w.departing]
+    wanted = set(target)
+    if not holders or any(slot in wanted for slot in holders):
+        return ()
+    return tuple(holders[:max(1, view.max_np - len(target))])
 
 
 def check_plan_keeps_state(view: MembershipView, new: Plan) -> policy.Verdict | None:

@@ -78,9 +78,37 @@ def test_a_departing_workers_slot_is_vacant_until_it_exits():
     assert plan(after) == Plan(target=target("a", "b"), leave=(), spawn=(target("a", "b")[1],))
 
 
-def test_a_plan_that_drops_every_host_of_the_round_loses_the_state():
+def test_a_plan_that_drops_every_host_of_the_round_keeps_its_live_members_until_a_joiner_holds_the_state():
+    # A rolling move (issue 34, point 10): a and b removed from the list while c's worker has
+    # not joined yet. The members stay, first in rank order, until the round with c forms.
     members = (w("wa", A), w("wb", B))
     v = view(hosts=hosts("c"), workers=members, round_number=1, round_members=members, target=target("a", "b"))
+    new = plan(v)
+    assert [a.slot for a in new.target] == [A, B, C] and new.leave == () and [a.slot for a in new.spawn] == [C]
+    assert check_plan_keeps_state(v, new) is None
+    # c's worker waits: the change is announced, as a joiner is.
+    after = round_view(members, (w("wc", C, S.WAITING, arrived_after_round=0),), hosts=hosts("c"),
+                       target=new.target)
+    assert announcement_due(after)
+    # Once c is a member of the next round (it holds the state), a and b are let go.
+    joined = (w("wa", A), w("wb", B), w("wc", C))
+    v2 = view(hosts=hosts("c"), workers=joined, round_number=2, round_members=joined, target=new.target)
+    final = plan(v2)
+    assert [a.slot for a in final.target] == [C] and final.leave == ("wa", "wb")
+    assert check_plan_keeps_state(v2, final) is None
+
+
+def test_at_most_max_np_minus_one_members_are_kept_so_a_joiner_always_fits():
+    members = (w("wa", A), w("wb", B))
+    v = view(hosts=hosts("c"), max_np=2, workers=members, round_number=1, round_members=members,
+             target=target("a", "b"))
+    new = plan(v)
+    assert [a.slot for a in new.target] == [A, C] and new.leave == ("wb",)
+
+
+def test_a_plan_that_drops_every_host_of_the_round_loses_the_state_once_its_members_are_gone():
+    members = (w("wa", A, S.FAILED), w("wb", B, S.FAILED))
+    v = view(hosts=hosts("c"), workers=(), round_number=1, round_members=members, target=target("a", "b"))
     new = plan(v)
     assert check_plan_keeps_state(v, new) == Verdict(
         False, "no host of the previous set remains (previous: a, b; now: c): the training state is lost"
