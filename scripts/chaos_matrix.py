@@ -164,6 +164,9 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "each worker starts a child (an hour's sleep); one worker alone is SIGKILLed (as by the OOM killer), the other "
      "finishes", "success at 1 of 2",
      "the killed worker's child ends with it, the finished worker's child at its exit; nothing left after the driver"),
+    ("test_elastic_launch.py::test_a_rolling_move_across_hosts_keeps_the_state", "loop",
+     "a rolling move: discovery lists H1 -> H1,H2 -> H2,H3 -> H3, H2 removed before H3's worker joined",
+     "success at 1 on H3; H2 stays until the round with H3 formed", "exactly once; no failure, no blacklist"),
 ]
 
 

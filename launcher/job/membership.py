@@ -120,8 +120,10 @@ def state_holders_kept(view: MembershipView, target: list[SlotKey]) -> tuple[Slo
     if not view.round_number or not target:
         return ()
     live = {w.worker_id: w for w in view.workers}
+    # Not one already told to leave (its EXIT is on its way) or leaving on a preemption notice.
     holders = [m.slot for m in view.round_members
-               if (w := live.get(m.worker_id)) is not None and not w.state.finished and not w.departing]
+               if (w := live.get(m.worker_id)) is not None and not w.state.finished and not w.leave
+               and not w.departing]
     wanted = set(target)
     if not holders or any(slot in wanted for slot in holders):
         return ()

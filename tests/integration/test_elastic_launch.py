@@ -175,6 +175,28 @@ def test_removed_host_shrinks_world_without_rollback(job: Job) -> None:
     assert_replicas_identical(job)
 
 
+def test_a_rolling_move_across_hosts_keeps_the_state(job: Job) -> None:
+    # An operator (or a rolling update) moves the job: H1 -> H1,H2 -> H2,H3 -> H3, the last
+    # step before H3's worker has joined. H2 holds the state then: its leave waits until the
+    # round with H3 has given H3 the state (chaos matrix; before, the job failed "no host of
+    # the previous set remains ... the training state is lost").
+    job.set_hosts(H1)
+    job.start(discovery_args(job, "-np", "1", "--min-np", "1", "--max-np", "2"), [*SLOW, "--epochs", "6"])
+    job.wait_rounds(1)
+    job.set_hosts(H1, H2)
+    job.wait_rounds(2)
+    job.set_hosts(H2, H3)
+    wait_for(lambda: "removed ['127.0.0.1']" in job.stderr(), 30, "the driver to see H1 removed")
+    job.set_hosts(H3)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "failures:      0" in err
+    formed = re.findall(r"Round \d+ formed with \d+ worker\(s\): (.*)\.", err)
+    assert formed[-1].startswith("rank 0=127.0.0.3[0]#") and "," not in formed[-1], formed
+    assert job.world_sizes()[-1] == 1 and max(job.world_sizes()) == 2
+    assert_epochs_complete(job, 6)
+
+
 def test_hosts_added_and_removed_repeatedly(job: Job) -> None:
     job.set_hosts(H1, H2)
     job.start(discovery_args(job, "-np", "2", "--min-np", "1", "--max-np", "3"),

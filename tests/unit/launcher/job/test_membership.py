@@ -98,6 +98,16 @@ def test_a_plan_that_drops_every_host_of_the_round_keeps_its_live_members_until_
     assert check_plan_keeps_state(v2, final) is None
 
 
+def test_a_member_already_told_to_leave_is_not_the_one_kept():
+    # H1 removed (its worker told to leave), then H2 too before H3's worker joined.
+    members = (w("wa", A, leave=True), w("wb", B))
+    v = view(hosts=hosts("c"), max_np=2, workers=members, round_number=2, round_members=members,
+             target=target("b", "c"))
+    new = plan(v)
+    assert [a.slot for a in new.target] == [B, C] and new.leave == ()
+    assert check_plan_keeps_state(v, new) is None
+
+
 def test_at_most_max_np_minus_one_members_are_kept_so_a_joiner_always_fits():
     members = (w("wa", A), w("wb", B))
     v = view(hosts=hosts("c"), max_np=2, workers=members, round_number=1, round_members=members,
