@@ -167,6 +167,9 @@ CASES: list[tuple[str, str, str, str, str]] = [
     ("test_elastic_launch.py::test_a_rolling_move_across_hosts_keeps_the_state", "loop",
      "a rolling move: discovery lists H1 -> H1,H2 -> H2,H3 -> H3, H2 removed before H3's worker joined",
      "success at 1 on H3; H2 stays until the round with H3 formed", "exactly once; no failure, no blacklist"),
+    ("test_multi_machine.py::test_a_rolling_move_across_remote_hosts_keeps_the_state", "machines",
+     "a rolling move over ssh: discovery lists H1 -> H1,H2 -> H2,H3 -> H3, H2 removed before H3's worker joined",
+     "success at 1 on H3; H2 stays until the round with H3 formed", "exactly once; no failure, no blacklist"),
 ]
 
 

@@ -173,6 +173,26 @@ def test_remote_host_added_joins_and_removed_host_leaves_without_rollback(job: J
     assert_replicas_identical(job)
 
 
+def test_a_rolling_move_across_remote_hosts_keeps_the_state(job: Job, hosts: NamespacedHosts) -> None:
+    # H1 -> H1,H2 -> H2,H3 -> H3 over ssh, H2 removed before H3's worker joined: H2 stays
+    # until the round with H3 has given H3 the state (chaos matrix row 61).
+    h1, h2, h3 = hosts.names
+    job.set_hosts(f"{h1}:1")
+    job.start(discovery_args(job, hosts, "-np", "1", "--min-np", "1", "--max-np", "2"), [*SLOW, "--epochs", "6"])
+    job.wait_rounds(1)
+    job.set_hosts(f"{h1}:1", f"{h2}:1")
+    job.wait_rounds(2)
+    job.set_hosts(f"{h2}:1", f"{h3}:1")
+    wait_for(lambda: f"removed ['{h1}']" in job.stderr(), 30, "the driver to see the first host removed")
+    job.set_hosts(f"{h3}:1")
+    assert job.wait() == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert "failures:      0" in err
+    formed = re.findall(r"Round \d+ formed with \d+ worker\(s\): (.*)\.", err)
+    assert formed[-1].startswith(f"rank 0={h3}[0]#") and "," not in formed[-1], formed
+    assert_epochs_complete(job, 6)
+
+
 def _lose_host_mid_training(job: Job, hosts: NamespacedHosts, lose) -> float:
     """Train on three hosts, lose the second with ``lose(name)``; returns fault -> first step."""
     h1, h2, h3 = hosts.names

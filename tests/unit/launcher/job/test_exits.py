@@ -229,6 +229,8 @@ ROWS = [
 ]
 
 ELSEWHERE = {
+    60: "a rolling move: the membership plan keeps the state's holders (test_membership.py, test_step.py)",
+    61: "a rolling move over ssh: the membership plan keeps the state's holders (test_membership.py)",
     10: "one rank's DistError: nobody exits; the registry's round-lost answer",
     33: "one rank's DistError (Lightning): nobody exits; the registry's round-lost answer",
     11: "discovery hangs: the discovery thread",

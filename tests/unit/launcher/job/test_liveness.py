@@ -253,6 +253,8 @@ def test_a_driver_starting_counts_nothing_before_its_start() -> None:
 
 
 ELSEWHERE = {
+    60: "a rolling move: the membership plan keeps the state's holders (test_membership.py, test_step.py)",
+    61: "a rolling move over ssh: the membership plan keeps the state's holders (test_membership.py)",
     **{case: "it ends in an exit: exit classification (test_exits.py)"
        for case in (1, 2, 3, 4, 5, 6, 7, 9, 14, 16, 18, 19, 20, 21, 27, 29, 30, 31, 32, 34, 35, 36, 37,
                     39, 40, 41, 49, 51, 52, 59)},

@@ -212,3 +212,23 @@ def test_a_preempted_worker_that_left_cleanly_holds_its_slot_and_is_no_failure(s
         assert not job.state.tally.failures
     else:  # left its round cleanly, then crashed on its way out: a failure, but no round to break
         assert record.state is WorkerState.FAILED and 1 not in job.state.broken_rounds
+
+
+def test_a_rolling_move_keeps_the_member_that_holds_the_state_until_the_joiner_has_it():
+    # Chaos matrix rows 60, 61: H1 -> H1,H2 -> H2,H3 -> H3, H2 removed before H3's worker joined.
+    job = Job((HostSlots("h1", 1), HostSlots("h2", 1), HostSlots("h3", 1)), np=1, max_np=2)
+    job.listed = HostsListed((HostSlots("h2", 1),))
+    [holder] = job.formed()
+    job.listed = HostsListed((HostSlots("h2", 1), HostSlots("h3", 1)))
+    [joiner] = job.turn().of(Start)
+    job.listed = HostsListed((HostSlots("h3", 1),))
+    fx = job.turn()
+    assert not fx.of(End) and not job.state.workers[holder].leave  # the holder stays
+    assert [a.slot.host for a in job.state.target] == ["h2", "h3"]
+    job.arrive(joiner.worker_id)
+    assert job.turn().of(Announced)
+    job.arrive(holder, after_round=1)
+    fx = job.turn()
+    assert job.state.round.members == (holder, joiner.worker_id)
+    fx = job.turn()  # the joiner holds the state now: the holder is let go
+    assert job.state.workers[holder].leave and [a.slot.host for a in job.state.target] == ["h3"]
