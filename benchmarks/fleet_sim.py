@@ -343,6 +343,7 @@ async def restart_driver(sim: Simulator, driver: asyncio.subprocess.Process, spa
     def whole_round_saved() -> bool:
         with contextlib.suppress(OSError, ValueError):
             saved = json.loads(state.read_text())
+            saved = saved.get("job", saved)  # version 2 holds the JobState under "job" (--checkouts: 1 too)
             return bool(saved["round"]) and len(saved["round"]["members"]) == n
         return False
 

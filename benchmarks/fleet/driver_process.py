@@ -39,7 +39,8 @@ from lightning_elastic.launcher.hosts.discovery import FixedHosts  # noqa: E402
 from lightning_elastic.launcher.driver.driver import Driver  # noqa: E402
 from lightning_elastic.launcher.job.slots import HostSlots  # noqa: E402
 from lightning_elastic.launcher.processes.base import WorkerSpec  # noqa: E402
-from lightning_elastic.launcher.restart.state_dir import StateDir, WorkerEntry  # noqa: E402
+from lightning_elastic.launcher.job.state import WorkerRecord  # noqa: E402
+from lightning_elastic.launcher.restart.state_dir import StateDir  # noqa: E402
 
 
 class SimulatedLauncher:
@@ -66,12 +67,12 @@ class SimulatedLauncher:
                    "world_size": int(spec.env["WORLD_SIZE"])})
         return process
 
-    def adopt(self, entry: WorkerEntry, prefix: Callable[[], str]) -> SimulatedProcess:
+    def adopt(self, record: WorkerRecord, prefix: Callable[[], str]) -> SimulatedProcess:
         """A worker the previous driver started: the simulator says at once if it has ended."""
-        process = SimulatedProcess(self, entry.worker_id)
+        process = SimulatedProcess(self, record.worker_id)
         with self._lock:
-            self._processes[entry.worker_id] = process
-        self.send({"op": "adopt", "worker_id": entry.worker_id})
+            self._processes[record.worker_id] = process
+        self.send({"op": "adopt", "worker_id": record.worker_id})
         return process
 
     def send(self, message: dict) -> None:

@@ -7,8 +7,7 @@ import logging
 import time
 
 from lightning_elastic.launcher.driver.starts import _prefix_of
-from lightning_elastic.launcher.job import membership
-from lightning_elastic.launcher.restart import adoption
+from lightning_elastic.launcher.restart import adoption, state_codec
 
 log = logging.getLogger("lightning_elastic.driver")
 
@@ -29,14 +28,29 @@ class Keeping:
             self._save_pacing.saved(now, key, cost)
 
     def _save_state(self) -> None:
-        """Hand the job's state to the writer thread."""
+        """Hand the job's state to the writer thread: captured under the lock (a copy of the
+        records, ~1 µs each), encoded and written by the writer thread."""
         if self._keeping is None or self._server is None:
             return
-        # Read under the lock (references only), built and written by the writer thread.
-        self._keeping.writer.submit(adoption.snapshot(
-            self._address, self._server.port, self._registry, self._processes, self._state.target,
-            self._state.announced_for is not None, self._state.hosts, adoption.counters_of(self._state.tally),
-            adoption.waits_of(self._state), self._clock()).state)
+        state = self._state
+        state.address, state.port = self._address, self._server.port  # where the workers look first
+        self._learn_processes()
+        self._keeping.writer.submit(state_codec.capture(state), self._clock())
+
+    def _learn_processes(self) -> None:
+        """Copy into each live worker's record what a restarted driver finds its process by
+        (``adoptable``: the keeper's pid and start ticks; ssh learns them when the supervisor
+        says, after the start) and its --log-dir file, once known. O(live workers)."""
+        processes = self._processes
+        for record in self._state.workers.values():
+            if record.keeper_pid or record.state.finished:
+                continue
+            proc = processes.get(record.worker_id)
+            found = getattr(proc, "adoptable", None)
+            if found:
+                record.keeper_pid, record.start_ticks = found
+                log_file = getattr(proc, "log_file", None)
+                record.log_file = str(log_file) if log_file else ""
 
     def _adopt_address(self) -> None:
         """Serve where the previous driver did, if this machine has its address."""
@@ -58,28 +72,21 @@ class Keeping:
         round (not re-formed), its blacklist and counters."""
         keeping = self._keeping
         assert keeping is not None and keeping.previous is not None
-        state = keeping.previous
         started = time.perf_counter()
         with self._registry.cond:
-            restored = adoption.restore(state, self._registry, self._state.hosts, keeping.adopt, _prefix_of,  # type: ignore[arg-type]
-                                        self._clock())
-            current = self._registry.state.round
+            # The saved JobState becomes this driver's (spares stay spares, a preempted slot
+            # keeps the rest of its hold, the workers after training returned the rest of
+            # their --exit-timeout), under the adoption rules (restart/adoption.py).
+            restored = adoption.restore(keeping.previous, self._registry, keeping.adopt,  # type: ignore[arg-type]
+                                        _prefix_of, self._clock())
+            keeping.previous = None  # part of this driver's state now
+            current = self._state.round
             # What is on disk is what was just restored: the next save waits its window (as
             # after a save as costly), not the adopted fleet's first requests, the service's
             # busiest moment after a restart.
-            self._save_pacing.saved(self._clock(), (current.number if current else 0, self._registry.state.generation),
-                                    time.perf_counter() - started)
+            self._save_pacing.saved(self._clock(), self._state.round_key(), time.perf_counter() - started)
         self._processes.update(restored.processes)
-        # What the previous driver was waiting out: spares stay spares, a preempted slot
-        # keeps the rest of its hold, the workers after training returned the rest of
-        # their --exit-timeout.
-        waits = restored.waits
-        self._state.standby, self._state.held_until, self._state.first_exit = (
-            waits.standby, dict(waits.held_until), waits.first_exit)
-        self._state.target = restored.target
-        self._state.announced_for = membership.slots_of(self._state.target) if state.announced else None
-        self._state.tally = adoption.tally_of(state)
-        round_number = state.round.number if state.round else 0
+        round_number = current.number if current else 0
         line = (f"driver restarted after {keeping.outage:.1f} s without one: adopted {restored.adopted} "
                 f"worker(s) in round {round_number}"
                 + (f"; {restored.ended} ended while no driver ran" if restored.ended else ""))

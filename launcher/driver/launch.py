@@ -25,7 +25,8 @@ from lightning_elastic.launcher.processes.output import OutputSink
 from lightning_elastic.launcher.processes.ssh import SshLauncher
 from lightning_elastic.launcher.processes.warm_start import WarmStarts
 from lightning_elastic.launcher.restart import adoption
-from lightning_elastic.launcher.restart.state_dir import StateDir, WorkerEntry
+from lightning_elastic.launcher.job.state import WorkerRecord
+from lightning_elastic.launcher.restart.state_dir import StateDir
 
 log = logging.getLogger("lightning_elastic.driver")
 
@@ -91,8 +92,8 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
             detached = DetachedLauncher(state_dir, sink)  # type: ignore[arg-type]
             local: WorkerLauncher = detached
 
-            def adopt(entry: WorkerEntry, prefix: Callable[[], str]) -> WorkerProcess:
-                return (detached if classifier.is_local(entry.host) else ssh).adopt(entry, prefix)
+            def adopt(record: WorkerRecord, prefix: Callable[[], str]) -> WorkerProcess:
+                return (detached if classifier.is_local(record.slot.host) else ssh).adopt(record, prefix)
 
             keeping.adopt = adopt
         else:

@@ -9,6 +9,9 @@ A failure takes out the failed worker's slot, or its whole host (``record_failur
 machine with eight GPUs, one worker's crash says little about the other seven, but a
 second slot failing, or a failure of the host itself (ssh could not reach it, its node
 died), says the machine is bad.
+
+What is blacklisted, and until when, is plain data (``Blacklist``), held by ``JobState``
+and saved with it; ``HostManager`` holds only what discovery tells it again.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+from lightning_elastic.launcher.job.field_marks import clock
 from lightning_elastic.launcher.job.slots import HostSlots, SlotKey
 
 log = logging.getLogger(__name__)
@@ -32,13 +36,26 @@ class HostChange:
         return bool(self.added or self.removed or self.resized)
 
 
-@dataclasses.dataclass
-class _Blacklisting:
+@dataclasses.dataclass(frozen=True)
+class Blacklisting:
+    """A host or slot out after ``count`` failures. Frozen (a new failure replaces it): a
+    save's copy of the tables may share it."""
+
     count: int
-    until: float | None  # None: for the rest of the job
+    until: float | None = clock(default=None)  # the cooldown's end (driver clock); None: for the rest of the job
 
     def active(self, now: float) -> bool:
         return self.until is None or now < self.until
+
+
+@dataclasses.dataclass
+class Blacklist:
+    """What failures took out of the job: plain data, a part of ``JobState`` saved with it.
+    ``HostManager`` decides what goes in and reads it; nothing else changes it."""
+
+    hosts: dict[str, Blacklisting] = dataclasses.field(default_factory=dict)
+    # Slots out after a failure of their own, on hosts that stay in use.
+    slots: dict[SlotKey, Blacklisting] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +83,9 @@ class HostManager:
         self._discovered: dict[str, int] = {}  # host -> slots, as last discovered
         self._age: dict[str, int] = {}  # host -> order it became available in
         self._next_age = 0
-        self._blacklist: dict[str, _Blacklisting] = {}
-        self._slot_blacklist: dict[SlotKey, _Blacklisting] = {}  # slots of hosts that stay in use
+        # The job's blacklist (``JobState.blacklist``, which binds it): this manager's rules
+        # decide what goes in, the table is the job's, saved with it.
+        self.table = Blacklist()
         self._refreshed_at = float("-inf")  # when the available hosts were last computed
         self._available: list[HostSlots] = []
 
@@ -87,19 +105,19 @@ class HostManager:
             why = "the failure was its host's"
         elif self._discovered.get(host, 1) <= 1:
             why = "it has one slot"
-        elif any(s.host == host and s != slot and e.active(now) for s, e in self._slot_blacklist.items()):
+        elif any(s.host == host and s != slot and e.active(now) for s, e in self.table.slots.items()):
             why = "another of its slots failed before"
         else:
-            delay = self._blacklist_in(self._slot_blacklist, slot)
+            delay = self._blacklist_in(self.table.slots, slot)
             self._refresh()
             return Blacklisted(str(slot), False, delay, "its other slots stay in use")
-        for other in [s for s in self._slot_blacklist if s.host == host]:
-            del self._slot_blacklist[other]  # the host's own entry covers them now
+        for other in [s for s in self.table.slots if s.host == host]:
+            del self.table.slots[other]  # the host's own entry covers them now
         return Blacklisted(host, True, self.blacklist(host), why)
 
     def blacklist(self, host: str) -> float | None:
         """Blacklist ``host`` after a failure; returns the cooldown in seconds (None: for good)."""
-        delay = self._blacklist_in(self._blacklist, host)
+        delay = self._blacklist_in(self.table.hosts, host)
         self._refresh()
         return delay
 
@@ -112,43 +130,27 @@ class HostManager:
             # Exponential back-off inside the user's range: a host that keeps failing
             # stays out longer each time, but never longer than MAX.
             delay = min(high, low * 2.0 ** min(count - 1, _MAX_DOUBLINGS))
-        table[key] = _Blacklisting(count, None if delay is None else self._clock() + delay)
+        table[key] = Blacklisting(count, None if delay is None else self._clock() + delay)
         return delay
 
-    def blacklist_entries(self) -> list[tuple[str, int | None, int, float | None]]:
-        """(host, local rank or None for the whole host, failures, cooldown seconds left or
-        None for good): what a restarted driver needs (``restore_blacklist``)."""
-        now = self._clock()
-
-        def left(e: _Blacklisting) -> float | None:
-            return None if e.until is None else max(0.0, e.until - now)
-
-        return ([(host, None, e.count, left(e)) for host, e in self._blacklist.items()]
-                + [(s.host, s.local_rank, e.count, left(e)) for s, e in self._slot_blacklist.items()])
-
-    def restore_blacklist(self, entries: list[tuple[str, int | None, int, float | None]]) -> None:
-        """Take over a previous driver's blacklist (``blacklist_entries``), cooldowns counted from now."""
-        now = self._clock()
-        for host, local_rank, count, remaining in entries:
-            entry = _Blacklisting(count, None if remaining is None else now + remaining)
-            if local_rank is None:
-                self._blacklist[host] = entry
-            else:
-                self._slot_blacklist[SlotKey(host, local_rank)] = entry
+    def use(self, blacklist: Blacklist) -> None:
+        """Work on ``blacklist`` from now on (a previous driver's, restored with its job):
+        its cooldowns go on as they are."""
+        self.table = blacklist
         self._refresh()
 
     def blacklisted_slots(self) -> frozenset[SlotKey]:
         """Slots out after a failure of their own, on hosts that stay in use."""
         now = self._clock()
-        return frozenset(s for s, e in self._slot_blacklist.items() if e.active(now))
+        return frozenset(s for s, e in self.table.slots.items() if e.active(now))
 
     def tick(self) -> HostChange:
         """Let hosts whose cooldown has passed come back (called every driver tick: only
         does the O(hosts) refresh when a cooldown has ended since the last one)."""
         now = self._clock()
-        if any(e.until is not None and self._refreshed_at < e.until <= now for e in self._blacklist.values()):
+        if any(e.until is not None and self._refreshed_at < e.until <= now for e in self.table.hosts.values()):
             return self._refresh()
-        back = tuple(s.host for s, e in self._slot_blacklist.items()
+        back = tuple(s.host for s, e in self.table.slots.items()
                      if e.until is not None and self._refreshed_at < e.until <= now)
         if back:
             self._refreshed_at = now
@@ -170,7 +172,7 @@ class HostManager:
         return ()
 
     def _is_blacklisted(self, host: str, now: float) -> bool:
-        entry = self._blacklist.get(host)
+        entry = self.table.hosts.get(host)
         return entry is not None and entry.active(now)
 
     def _refresh(self) -> HostChange:
@@ -186,7 +188,7 @@ class HostManager:
             if host not in self._age:
                 self._age[host] = self._next_age
                 self._next_age += 1
-                if host in self._blacklist:
+                if host in self.table.hosts:
                     log.info("Host %s is back after its blacklist cooldown.", host)
         ordered = sorted(usable, key=self._age.__getitem__)
         self._available = [HostSlots(h, self._discovered[h]) for h in ordered]

@@ -2,9 +2,10 @@
 
 ``JobState`` is the one representation of the job: the rendezvous service records what
 workers say into it, the decision loop's rules read and change it, and ``--state-dir``
-saves it as it is (``launcher/restart/state_file.py``), fields marked ``transient`` left out:
+saves it as it is (``launcher/restart/state_codec.py``), fields marked ``transient`` left out:
 what a restarted driver learns again at once (pending requests, heartbeat ages, the hosts
-discovery lists) or that only bounds a wait. One lock guards it, the registry's
+discovery lists) or that only bounds a wait; times on the driver's clock are marked
+``clock`` (``job/field_marks.py``). One lock guards it, the registry's
 (``launcher/service/registry.py``); the decision loop holds it for a whole pass, the service
 for each request, and no process is started while it is held.
 
@@ -25,19 +26,12 @@ import dataclasses
 from enum import Enum
 from typing import Any
 
-from lightning_elastic.launcher.job.blacklist import HostManager
+from lightning_elastic.launcher.job.blacklist import Blacklist, HostManager
+from lightning_elastic.launcher.job.field_marks import TRANSIENT, clock, transient
 from lightning_elastic.launcher.job.history import BoundedHistory
 from lightning_elastic.launcher.job.liveness import Absences
 from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
 from lightning_elastic.protocol import Assignment, Outcome, Report
-
-# Marks a field a save leaves out (see the module docstring).
-TRANSIENT = {"transient": True}
-
-
-def transient(**kwargs):  # noqa: ANN003, ANN201 - dataclasses.field's own signature
-    return dataclasses.field(metadata=TRANSIENT, **kwargs)
-
 
 class WorkerState(str, Enum):
     """Life cycle of a worker, as the driver sees it.
@@ -67,21 +61,21 @@ class WorkerState(str, Enum):
 class WorkerRecord:
     worker_id: str
     slot: SlotKey
-    started_at: float
+    started_at: float = clock()
     state: WorkerState = WorkerState.STARTING
     assignment: Assignment | None = None
-    arrived_after_round: int | None = None  # set while it waits at the rendezvous
-    waiting_since: float | None = None
-    last_heartbeat: float | None = None
-    asking_round: int | None = None  # set while it asks whether its round lost a member
+    arrived_after_round: int | None = transient(default=None)  # set while it waits at the rendezvous
+    waiting_since: float | None = transient(default=None)  # since when (driver clock)
+    last_heartbeat: float | None = clock(default=None)
+    asking_round: int | None = transient(default=None)  # set while it asks whether its round lost a member
     report: Report | None = None
     # When its report arrived: it stops heartbeating to exit then, and --exit-timeout, not
     # the heartbeat timeout, bounds the exit (the group's teardown, the interpreter's end).
-    reported_at: float | None = None
+    reported_at: float | None = clock(default=None)
     leave: bool = False  # answer EXIT at its next rendezvous
     departing: str = ""  # why it asked to leave (a preemption notice): its slot is vacant
     # The driver is stopping it (SIGTERM, or SIGKILL for a wedged one): SIGKILL at this time.
-    stop_deadline: float | None = None
+    stop_deadline: float | None = clock(default=None)
     kill_reason: str = ""  # why the driver killed or stopped it: part of its failure
     failure: str = ""  # how it failed ("worker ID <how>"), once it has
     standby: bool = False  # a hot spare (--spares): waits at the rendezvous, in no round
@@ -89,6 +83,13 @@ class WorkerRecord:
     exit_status: int | None = None
     # Durable snapshots it wrote and failed to write, and the newest failure (heartbeats).
     snapshots: tuple[int, int, str] = (0, 0, "")
+    # What outlives the driver, for the next one to find (``--state-dir``): the pid of the
+    # process the driver signals (a keeper, processes/detached.py; 0: none to adopt) and its
+    # start time (/proc/PID/stat field 22: a reused pid has another), and its --log-dir file.
+    # Taken from its process once the driver learns them (ssh: when the supervisor says).
+    keeper_pid: int = 0
+    start_ticks: int = 0
+    log_file: str = ""
     # Its pending requests wait on this: fired when their answers may have changed.
     # (The service's ``Signal``, given by ``Registry.add_worker``: the core holds no threading.)
     wake: Any = dataclasses.field(default=None, repr=False, compare=False, metadata=TRANSIENT)
@@ -198,9 +199,9 @@ class JobState:
     standby: tuple[SlotKey, ...] = ()  # slots of hot spares (--spares)
     announced_for: tuple[SlotKey, ...] | None = None  # the target last announced to the members
     # A slot left on a preemption notice -> the end of its hold (driver clock).
-    held_until: dict[SlotKey, float] = dataclasses.field(default_factory=dict)
+    held_until: dict[SlotKey, float] = clock(default_factory=dict)
     # (when, who): training returned and this worker exited first; the others have --exit-timeout.
-    first_exit: tuple[float, str] | None = None
+    first_exit: tuple[float, str] | None = clock(default=None)
     # --- what the loop is waiting out ---
     reset_pending_since: float | None = transient(default=None)  # members were asked to re-rendezvous
     below_since: float | None = transient(default=None)  # fewer slots than required since then
@@ -211,7 +212,12 @@ class JobState:
     never_joined: str = transient(default="")
     # --- what the summary counts, and the blacklist ---
     tally: Tally = dataclasses.field(default_factory=lambda: Tally())
-    hosts: HostManager = dataclasses.field(default_factory=lambda: HostManager(None, lambda: 0.0))
+    blacklist: Blacklist = dataclasses.field(default_factory=Blacklist)
+    # The rules over the blacklist and what discovery lists; works on ``blacklist`` (bound here).
+    hosts: HostManager = transient(default_factory=lambda: HostManager(None, lambda: 0.0))
+
+    def __post_init__(self) -> None:
+        self.hosts.table = self.blacklist  # one blacklist: the one saved is the one the rules change
 
     # ----- queries (O(N) unless said) -------------------------------------------------
 

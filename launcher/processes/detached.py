@@ -27,10 +27,11 @@ from typing import IO
 
 from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.hosts.network import collective_interface_env
+from lightning_elastic.launcher.job.state import WorkerRecord
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.node.spawn import signal_group, spawn_worker
-from lightning_elastic.launcher.restart.state_dir import StateDir, WorkerEntry
+from lightning_elastic.launcher.restart.state_dir import StateDir
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 KEEPER = Path(__file__).resolve().parent.parent / "node" / "keeper.py"
@@ -249,15 +250,16 @@ class DetachedLauncher:
         self._follow(proc, spec.worker_id, spec.log_file, prefix, offset)
         return proc
 
-    def adopt(self, entry: WorkerEntry, prefix: Callable[[], str]) -> DetachedProcess | LostProcess:
-        """The process of a worker the previous driver started, or a LostProcess."""
-        status = self._dir.worker_file(entry.worker_id, "status")
-        if entry.pid <= 0 or not (is_running(entry.pid, entry.start_ticks) or status.exists()):
+    def adopt(self, record: WorkerRecord, prefix: Callable[[], str]) -> DetachedProcess | LostProcess:
+        """The process of a worker the previous driver started (its record as saved), or a LostProcess."""
+        status = self._dir.worker_file(record.worker_id, "status")
+        pid, ticks = record.keeper_pid, record.start_ticks
+        if pid <= 0 or not (is_running(pid, ticks) or status.exists()):
             return LostProcess()
-        log_file = Path(entry.log_file) if entry.log_file else None
-        proc = DetachedProcess(entry.pid, entry.start_ticks, status, log_file=log_file)
-        offset = read_offset(self._dir.worker_file(entry.worker_id, "offset"))
-        self._follow(proc, entry.worker_id, log_file, prefix, offset)
+        log_file = Path(record.log_file) if record.log_file else None
+        proc = DetachedProcess(pid, ticks, status, log_file=log_file)
+        offset = read_offset(self._dir.worker_file(record.worker_id, "offset"))
+        self._follow(proc, record.worker_id, log_file, prefix, offset)
         return proc
 
     def _follow(self, proc: DetachedProcess, worker_id: str, log_file: Path | None,

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_elastic.launcher.config import SshSettings
+from lightning_elastic.launcher.job.state import WorkerRecord
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.detached import CountingStream, read_offset
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.node.spawn import start_supervisor_client
 from lightning_elastic.launcher.node.supervisor import MARK
-from lightning_elastic.launcher.restart.state_dir import StateDir, WorkerEntry, safe_name
+from lightning_elastic.launcher.restart.state_dir import StateDir, safe_name
 from lightning_elastic.protocol import ENV_SECRET_FD
 
 log = logging.getLogger(__name__)
@@ -100,15 +101,16 @@ class SshLauncher:
             start["detach"] = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(spec.worker_id)}
         return self._connect(spec.host, spec.cwd, spec.worker_id, start, prefix, spec.log_file, None)
 
-    def adopt(self, entry: WorkerEntry, prefix: Callable[[], str]) -> SshProcess:
-        """Re-attach to a worker a previous driver started (``--state-dir``)."""
+    def adopt(self, record: WorkerRecord, prefix: Callable[[], str]) -> SshProcess:
+        """Re-attach to a worker a previous driver started (``--state-dir``; its record as saved)."""
         assert self._state_dir is not None
-        offset = read_offset(self._state_dir.worker_file(entry.worker_id, "offset"))
-        attach = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(entry.worker_id),
-                  "pid": entry.pid, "ticks": entry.start_ticks, "offset": offset}
-        log_file = Path(entry.log_file) if entry.log_file else None
-        process = self._connect(entry.host, os.getcwd(), entry.worker_id, {"attach": attach}, prefix, log_file, offset)
-        process.adoptable = (entry.pid, entry.start_ticks)
+        offset = read_offset(self._state_dir.worker_file(record.worker_id, "offset"))
+        attach = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(record.worker_id),
+                  "pid": record.keeper_pid, "ticks": record.start_ticks, "offset": offset}
+        log_file = Path(record.log_file) if record.log_file else None
+        process = self._connect(record.slot.host, os.getcwd(), record.worker_id, {"attach": attach}, prefix,
+                                log_file, offset)
+        process.adoptable = (record.keeper_pid, record.start_ticks)
         return process
 
     def _connect(self, host: str, cwd: str, worker_id: str, message: dict, prefix: Callable[[], str],

@@ -14,17 +14,18 @@ import time
 
 import pytest
 
-from lightning_elastic.launcher.restart import adoption
+from lightning_elastic.launcher.restart import adoption, state_codec
 from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.job.blacklist import HostManager
 from lightning_elastic.launcher.job.slots import HostSlots, SlotAssignment, SlotKey
 from lightning_elastic.launcher.processes.base import WorkerSpec
 from lightning_elastic.launcher.processes.detached import DetachedLauncher, LostProcess, is_running
 from lightning_elastic.launcher.node.supervisor import MARK
-from lightning_elastic.launcher.job.state import JobState, Tally
+from lightning_elastic.launcher.job.state import JobState, Tally, WorkerRecord
 from lightning_elastic.launcher.service.registry import Registry
-from lightning_elastic.launcher.restart.state_dir import SavedState, StateDir, StateWriter, WorkerEntry
+from lightning_elastic.launcher.restart.state_dir import STATE_VERSION, StateDir, StateWriter
 from lightning_elastic.protocol import HeartbeatRequest, Outcome, RendezvousRequest, Report
+from tests.unit.launcher.restart.test_state_codec import facts
 from tests.unit.proc_tools import BOUND, REPO, LineReader
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,13 +39,19 @@ def wait_until(predicate, what: str, bound: float = BOUND):
     return value
 
 
-def a_job(tmp_path) -> tuple[Registry, HostManager, list[SlotAssignment], dict]:
+def a_registry() -> Registry:
+    """A driver's registry over a JobState whose host manager has a cooldown (as the driver's)."""
+    return Registry(state=JobState(hosts=HostManager((10.0, 20.0), time.monotonic)))
+
+
+def a_job(tmp_path) -> tuple[Registry, HostManager, list[SlotAssignment]]:
     """A registry with a formed round of two members and a third worker still starting."""
-    reg = Registry()
-    hosts = HostManager((10.0, 20.0), time.monotonic)
+    reg = a_registry()
+    hosts = reg.state.hosts
     hosts.update([HostSlots("a", 2), HostSlots("b", 1)])
     hosts.record_failure(SlotKey("b", 0))
     target = [SlotAssignment(SlotKey("a", i), i, 2, 2, 0, 1) for i in range(2)]
+    reg.state.target = list(target)
     with reg.cond:
         records = [reg.add_worker(f"a[{i}]#{i}", SlotKey("a", i)) for i in range(2)]
         reg.form_round(list(zip(records, target)), ("127.0.0.1", 4242))
@@ -53,47 +60,77 @@ def a_job(tmp_path) -> tuple[Registry, HostManager, list[SlotAssignment], dict]:
         reg.add_worker("a[1]#2", SlotKey("a", 1))
         reg.bump_generation()
         records[0].report = Report(records[0].worker_id, 1, Outcome.DONE)
-    return reg, hosts, target, {}
+    return reg, hosts, target
+
+
+def saved(reg: Registry, now: float | None = None) -> JobState:
+    """What a restarted driver loads of ``reg``'s job: captured, written as JSON, read back."""
+    now = time.monotonic() if now is None else now
+    return state_codec.decode(state_codec.encode(state_codec.capture(reg.state), now))
+
+
+def restore(state: JobState, now: float | None = None) -> tuple[Registry, adoption.Restored]:
+    """A new driver's registry, given ``state`` (its workers' processes all lost)."""
+    new_reg = a_registry()
+    new_reg.state.hosts.update([HostSlots("a", 2), HostSlots("b", 1)])
+    with new_reg.cond:
+        restored = adoption.restore(state, new_reg, lambda record, prefix: LostProcess(), lambda record: lambda: "",
+                                    time.monotonic() if now is None else now)
+    return new_reg, restored
+
+
+def as_saved(state: JobState, now: float) -> str:
+    """``state`` as a save at ``now`` writes it: two states compared so."""
+    return state_codec.encode(state, now)
 
 
 def test_job_state_round_trips_through_its_file(tmp_path):
-    reg, hosts, target, procs = a_job(tmp_path)
-    counters = adoption.Counters(3, (2,), ("worker x was killed",), ("b",), (), ("earlier outage",))
-    state = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, True, hosts, counters).state()
+    reg, hosts, target = a_job(tmp_path)
+    reg.state.tally = Tally(3, blacklisted=["b"], outages=["earlier outage"])
+    reg.state.tally.rounds.append(2)
+    reg.state.tally.failures.append("worker x was killed")
     directory = StateDir(tmp_path / "state")
     directory.lock()
-    directory.save(state)
-    assert directory.load() == state
-    assert {w.worker_id for w in state.workers} == {"a[0]#0", "a[1]#1", "a[1]#2"}
-    assert state.round is not None and state.round.members == ("a[0]#0", "a[1]#1")
-    assert [(b.host, b.local_rank is None) for b in state.blacklist] == [("b", True)]
+    directory.save(state_codec.capture(reg.state), 100.0)
+    loaded = directory.load()
+    assert as_saved(loaded, 0.0) == as_saved(state_codec.capture(reg.state), 100.0)
+    assert set(loaded.workers) == {"a[0]#0", "a[1]#1", "a[1]#2"}
+    assert loaded.round is not None and loaded.round.members == ("a[0]#0", "a[1]#1")
+    assert list(loaded.blacklist.hosts) == ["b"] and not loaded.blacklist.slots
+    assert json.loads((tmp_path / "state" / "state.json").read_text())["version"] == STATE_VERSION == 2
 
 
 def test_restore_gives_a_new_driver_the_same_job(tmp_path):
-    reg, hosts, target, procs = a_job(tmp_path)
-    counters = adoption.Counters(3, (2,), (), (), (), ())
-    state = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, counters).state()
-    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
-    new_hosts.update([HostSlots("a", 2), HostSlots("b", 1)])
-    with new_reg.cond:
-        restored = adoption.restore(state, new_reg, new_hosts, lambda entry, prefix: LostProcess(),
-                                    lambda record: lambda: "")
+    reg, hosts, target = a_job(tmp_path)
+    reg.state.tally.next_worker = 3
+    now = time.monotonic()
+    new_reg, restored = restore(saved(reg, now), now)
     assert new_reg.state.round == reg.state.round
     assert new_reg.state.generation == reg.state.generation == 1
     for worker_id, record in reg.state.workers.items():
         again = new_reg.state.workers[worker_id]
         assert (again.slot, again.state, again.assignment, again.report) == \
                (record.slot, record.state, record.assignment, record.report)
+    new_hosts = new_reg.state.hosts
     assert new_hosts.is_blacklisted("b") and not new_hosts.is_blacklisted("a")
-    assert restored.target == target and restored.ended == 3 and restored.adopted == 0
-    # What the new driver would save is what the old one saved.
-    again = adoption.snapshot("127.0.0.1", 4242, new_reg, {}, restored.target, False, new_hosts, counters).state()
-    assert dataclass_without_time(again) == dataclass_without_time(state)
+    assert new_reg.state.target == target and restored.ended == 3 and restored.adopted == 0
+    # What the new driver would save is what the old one saved, but for the timers that start
+    # afresh at an adoption, and the worker numbers it reserved past its predecessor's.
+    reserve = adoption.reserved_workers(len(reg.state.workers), len(target))
+    assert new_reg.state.tally.next_worker == 3 + reserve
+    new_reg.state.tally.next_worker = 3
+    assert without_timers(as_saved(new_reg.state, now)) == without_timers(as_saved(reg.state, now))
 
 
-def dataclass_without_time(state: SavedState) -> SavedState:
-    return dataclasses.replace(state, saved_at=0.0,
-                               blacklist=tuple(dataclasses.replace(b, remaining=None) for b in state.blacklist))
+def without_timers(text: str) -> dict:
+    """A saved state but the workers' timers, which an adoption starts afresh."""
+    raw = json.loads(text)
+    for worker in raw["workers"].values():
+        for name in ("started_at", "last_heartbeat", "reported_at"):
+            del worker[name]
+    for entry in raw["blacklist"]["hosts"].values():  # a cooldown goes on: the same to a few ms
+        entry["until"] = round(entry["until"], 6)
+    return raw
 
 
 def test_unreadable_state_is_a_new_job(tmp_path, caplog):
@@ -124,15 +161,18 @@ def test_secret_is_kept_with_mode_0600(tmp_path):
 
 def test_writer_saves_the_newest_state_and_touches_alive(tmp_path):
     directory = StateDir(tmp_path)
-    reg, hosts, target, procs = a_job(tmp_path)
-    states = [adoption.snapshot("h", port, reg, procs, target, False, hosts, adoption.Counters(0, (), (), (), (), ())).state()
-              for port in (1, 2, 3)]
+    reg, hosts, target = a_job(tmp_path)
+    states = []
+    for port in (1, 2, 3):
+        reg.state.port = port
+        states.append(state_codec.capture(reg.state))
     writer = StateWriter(directory)
     writer.start()
     for s in states:
-        writer.submit(s)
+        writer.submit(s, 100.0)
     writer.close()
-    assert directory.load() == states[-1]
+    assert as_saved(directory.load(), 0.0) == as_saved(states[-1], 100.0)
+    assert directory.load().port == 3
     assert directory.last_alive() is not None
 
 
@@ -190,8 +230,8 @@ time.sleep(60)
     directory.lock()  # the dead driver's lock went with it
     assert is_running(keeper_pid, ticks), "the worker died with its driver"
     out = io.StringIO()
-    entry = WorkerEntry("h[0]#0", "h", 0, keeper_pid, ticks, True, False)
-    proc = DetachedLauncher(directory, out).adopt(entry, lambda: "> ")
+    record = WorkerRecord("h[0]#0", SlotKey("h", 0), 0.0, joined=True, keeper_pid=keeper_pid, start_ticks=ticks)
+    proc = DetachedLauncher(directory, out).adopt(record, lambda: "> ")
     assert proc.pid == keeper_pid
     assert proc.wait(10) == 0
     proc.finish_output(BOUND)
@@ -200,7 +240,8 @@ time.sleep(60)
     assert "> secret s3cret" not in shown  # resumed where the dead driver had got to
     # A pid that is not the same process any more (another start time) is not adopted.
     assert isinstance(DetachedLauncher(directory).adopt(
-        WorkerEntry("h[0]#9", "h", 0, os.getpid(), 1, True, False), lambda: ""), LostProcess)
+        WorkerRecord("h[0]#9", SlotKey("h", 0), 0.0, joined=True, keeper_pid=os.getpid(), start_ticks=1), lambda: ""),
+        LostProcess)
 
 
 def test_sigterm_reaches_the_worker_not_the_keeper(tmp_path):
@@ -338,35 +379,42 @@ def test_saves_are_paced_by_their_cost_a_new_round_after_its_announcement():
 def test_spares_holds_and_the_exit_timeout_survive_a_restart(tmp_path):
     """A restart must not turn a hot spare into a member, end a preempted slot's hold early,
     or give the workers after training returned a new --exit-timeout."""
-    reg, hosts, target, procs = a_job(tmp_path)
+    reg, hosts, target = a_job(tmp_path)
     spare = reg.state.workers["a[1]#2"]
     spare.standby = True
-    waits = adoption.Waits(standby=(SlotKey("a", 1),),
-                           held_until=((SlotKey("b", 0), 105.0), (SlotKey("a", 0), 99.0)),  # the second is over
-                           first_exit=(90.0, "a[0]#0"))
-    state = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts,
-                             adoption.Counters(3, (), (), (), (), ()), waits, now=100.0).state()
+    reg.state.standby = (SlotKey("a", 1),)
+    reg.state.held_until = {SlotKey("b", 0): 105.0, SlotKey("a", 0): 99.0}  # the second is over
+    reg.state.first_exit = (90.0, "a[0]#0")
     directory = StateDir(tmp_path / "state")
     directory.lock()
-    directory.save(state)
+    directory.save(state_codec.capture(reg.state), 100.0)
     loaded = directory.load()
-    assert loaded == state
-    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
-    with new_reg.cond:
-        restored = adoption.restore(loaded, new_reg, new_hosts, lambda entry, prefix: LostProcess(),
-                                    lambda record: lambda: "", now=500.0)  # another clock
-    assert restored.waits == adoption.Waits(standby=(SlotKey("a", 1),), held_until=((SlotKey("b", 0), 505.0),),
-                                            first_exit=(490.0, "a[0]#0"))
-    assert new_reg.state.workers["a[1]#2"].standby and not new_reg.state.workers["a[0]#0"].standby
+    assert as_saved(loaded, 0.0) == as_saved(reg.state, 100.0)
+    new_reg, _ = restore(loaded, now=500.0)  # another clock
+    job = new_reg.state
+    assert job.standby == (SlotKey("a", 1),) and job.first_exit == (490.0, "a[0]#0")
+    assert job.held_until[SlotKey("b", 0)] == 505.0
+    assert job.held_until[SlotKey("a", 0)] <= 500.0  # still over: the next decision pass drops it
+    assert job.workers["a[1]#2"].standby and not job.workers["a[0]#0"].standby
     # A state saved before these were kept still loads: nothing waited out.
-    raw = json.loads(state.to_json())
-    for key in ("standby", "holds", "first_exit"):
-        del raw[key]
-    old = SavedState.from_json(json.dumps(raw))
-    assert (old.standby, old.holds, old.first_exit) == ((), (), None)
+    raw = json.loads((tmp_path / "state" / "state.json").read_text())
+    for key in ("standby", "held_until", "first_exit"):
+        del raw["job"][key]
+    (tmp_path / "state" / "state.json").write_text(json.dumps(raw))
+    old = directory.load()
+    assert (old.standby, old.held_until, old.first_exit) == ((), {}, None)
 
 
-COUNTERS = adoption.Counters(3, (2,), (), (), (), ())
+def test_a_state_saved_by_a_driver_of_another_version_is_a_new_job(tmp_path, caplog):
+    """Version 1 was a translation of the state (SavedState): not adopted, said in one line."""
+    reg, hosts, target = a_job(tmp_path)
+    directory = StateDir(tmp_path)
+    directory.save(state_codec.capture(reg.state), 100.0)
+    raw = json.loads((tmp_path / "state.json").read_text())
+    (tmp_path / "state.json").write_text(json.dumps({**raw, "version": 1}))
+    assert directory.load() is None
+    assert "cannot be read (version 1, not 2: saved by another version of the driver): starting a new job" \
+        in caplog.text
 
 
 def test_workers_in_a_round_the_previous_driver_did_not_save_re_form_under_a_new_number(tmp_path):
@@ -374,16 +422,14 @@ def test_workers_in_a_round_the_previous_driver_did_not_save_re_form_under_a_new
     The next driver, told by the workers that they know more than its saved round 1, must not
     number a round 2 again (a worker in the unsaved round 2 would never take it) nor bump the
     generation to one they already know (they would not hear of it): it re-forms past both."""
-    reg, hosts, target, procs = a_job(tmp_path)
-    saved = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
+    reg, hosts, target = a_job(tmp_path)
+    state = saved(reg)
     members = [reg.state.workers["a[0]#0"], reg.state.workers["a[1]#1"]]
     with reg.cond:  # the unsaved change: a new generation and round 2, announced
         reg.bump_generation()
         reg.form_round(list(zip(members, target)), ("127.0.0.1", 4242))
-    assert (reg.state.round.number, reg.state.generation) == (2, 2) and saved.round.number == 1
-    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
-    with new_reg.cond:
-        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    assert (reg.state.round.number, reg.state.generation) == (2, 2) and state.round.number == 1
+    new_reg, _ = restore(state)
     # A heartbeat of a worker of round 2, as it knows it: at once, the driver moves past every
     # generation its predecessor may have announced unsaved.
     reserve = adoption.RESERVED_CHANGES
@@ -404,11 +450,8 @@ def test_workers_in_a_round_the_previous_driver_did_not_save_re_form_under_a_new
 def test_a_round_the_workers_knew_only_from_a_rendezvous_is_also_passed(tmp_path):
     """The saved generation already counted the change; only the round was not saved: a
     member back from round 2 shows it, and the next round is past the reserve."""
-    reg, hosts, target, procs = a_job(tmp_path)
-    saved = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
-    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
-    with new_reg.cond:
-        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    reg, hosts, target = a_job(tmp_path)
+    new_reg, _ = restore(saved(reg))
     poll = new_reg.rendezvous_poll(RendezvousRequest("a[0]#0", 2), timeout=0.01)
     assert new_reg.state.generation == 1 + adoption.RESERVED_CHANGES + 1 and 1 in new_reg.state.broken_rounds
     # Its round-2 peers, still in it, hear of the new generation at their next heartbeat.
@@ -421,22 +464,19 @@ def test_a_round_the_workers_knew_only_from_a_rendezvous_is_also_passed(tmp_path
 
 def test_workers_in_the_saved_round_change_nothing(tmp_path):
     """The common case: the saved round is the workers' round, which the new driver takes up."""
-    reg, hosts, target, procs = a_job(tmp_path)
-    saved = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
-    new_reg, new_hosts = Registry(), HostManager((10.0, 20.0), time.monotonic)
-    with new_reg.cond:
-        adoption.restore(saved, new_reg, new_hosts, lambda entry, prefix: LostProcess(), lambda record: lambda: "")
+    reg, hosts, target = a_job(tmp_path)
+    new_reg, _ = restore(saved(reg))
     new_reg.heartbeat_poll(HeartbeatRequest("a[0]#0", 1, 0, 0.01)).wait()
     new_reg.report(Report("a[1]#1", 1, Outcome.DONE))
     assert (new_reg.state.round, new_reg.state.generation, new_reg.state.broken_rounds) == (reg.state.round, 1, set())
 
 
 def test_a_snapshot_read_under_the_lock_is_the_state_of_then(tmp_path):
-    """The driver reads references under its lock and the writer thread builds the state
-    later: what the driver changes meanwhile must not leak into the saved state."""
-    reg, hosts, target, procs = a_job(tmp_path)
-    before = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS).state()
-    snap = adoption.snapshot("127.0.0.1", 4242, reg, procs, target, False, hosts, COUNTERS)
+    """The driver captures the state under its lock and the writer thread encodes it later:
+    what the driver changes meanwhile must not leak into the saved state."""
+    reg, hosts, target = a_job(tmp_path)
+    before = as_saved(reg.state, 100.0)
+    snap = state_codec.capture(reg.state)
     members = [reg.state.workers["a[0]#0"], reg.state.workers["a[1]#1"]]
     with reg.cond:  # the next pass: a new round, a report, a worker gone
         reg.bump_generation()
@@ -444,12 +484,15 @@ def test_a_snapshot_read_under_the_lock_is_the_state_of_then(tmp_path):
         members[1].report = Report("a[1]#1", 2, Outcome.FAILED, "later")
         reg.state.workers["a[1]#2"].leave = True
         hosts.record_failure(SlotKey("a", 0))
+        reg.state.target.pop()
+        reg.state.tally.failures.append("worker a[1]#1 failed")
+        reg.state.held_until[SlotKey("a", 1)] = 130.0
     directory = StateDir(tmp_path)
     writer = StateWriter(directory)
     writer.start()
-    writer.submit(snap.state)
+    writer.submit(snap, 100.0)
     writer.close()
-    assert dataclass_without_time(directory.load()) == dataclass_without_time(before)
+    assert as_saved(directory.load(), 0.0) == before
 
 
 def test_the_adoption_time_is_the_last_arrival_not_when_the_loop_looked():
@@ -465,51 +508,79 @@ def test_the_adoption_time_is_the_last_arrival_not_when_the_loop_looked():
 
 
 def test_the_summary_counts_survive_a_restart_as_one_structure(tmp_path):
-    reg, hosts, target, procs = a_job(tmp_path)
+    reg, hosts, target = a_job(tmp_path)
     tally = Tally(next_worker=3)
     tally.rounds.append(2)
     tally.failures.append("worker a[1]#1 was killed by SIGKILL")
     tally.blacklisted.append("b")
     tally.departures.append("worker a[0]#0 left on a preemption notice")
     tally.outages.append("driver restarted after 5.0 s without one")
+    reg.state.tally = tally
     directory = StateDir(tmp_path)
-    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, adoption.counters_of(tally)).state())
-    restored = adoption.tally_of(directory.load())
-    assert dataclasses.replace(adoption.counters_of(restored), next_worker=3) == adoption.counters_of(tally)
+    directory.save(state_codec.capture(reg.state), 100.0)
+    new_reg, _ = restore(directory.load())
+    restored = new_reg.state.tally
+    assert facts(dataclasses.replace(restored, next_worker=3)) == facts(tally)
     assert restored.next_worker > tally.next_worker  # past the reserve: next test
 
 
 def test_a_restarted_driver_numbers_its_workers_past_any_its_predecessor_started_unsaved(tmp_path):
     # Saves are not waited for: the predecessor may have started workers after its last
     # save. One of them outliving it must never share an id with the successor's workers.
-    reg, hosts, target, procs = a_job(tmp_path)
-    directory = StateDir(tmp_path)
+    reg, hosts, target = a_job(tmp_path)
     saved_next = 3
-    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, adoption.counters_of(Tally(saved_next))).state())
+    reg.state.tally = Tally(saved_next)
+    directory = StateDir(tmp_path)
+    directory.save(state_codec.capture(reg.state), 100.0)
     # Before its next save, a whole pass of replacements and then each replaced again.
     started_unsaved = range(saved_next, saved_next + 2 * max(len(reg.state.workers), len(target)))
-    assert adoption.tally_of(directory.load()).next_worker > max(started_unsaved)
-    # A state saved before the reserve existed keeps its number.
-    assert adoption.tally_of(dataclasses.replace(directory.load(), reserved_worker=0)).next_worker == saved_next
+    new_reg, _ = restore(directory.load())
+    assert new_reg.state.tally.next_worker > max(started_unsaved)
 
 
 def test_the_reset_limit_still_counts_every_round_after_a_restart_past_the_kept_history(tmp_path):
     # The rounds history keeps its first 20 and newest 80 entries; a restart used to take up
     # only those, so a job of 150 rounds counted 100 against --reset-limit afterwards.
-    reg, hosts, target, procs = a_job(tmp_path)
+    reg, hosts, target = a_job(tmp_path)
     tally = Tally(next_worker=3)
     for size in range(150):
         tally.rounds.append(size)
+    reg.state.tally = tally
     directory = StateDir(tmp_path)
-    directory.save(adoption.snapshot("h", 1, reg, procs, target, False, hosts, adoption.counters_of(tally)).state())
-    restored = adoption.tally_of(directory.load())
+    directory.save(state_codec.capture(reg.state), 100.0)
+    new_reg, _ = restore(directory.load())
+    restored = new_reg.state.tally
     assert (restored.rounds.total, restored.rounds.omitted) == (150, 50)
     assert list(restored.rounds) == list(tally.rounds)
 
 
 def test_what_the_driver_waits_out_is_carried_by_a_save():
     state = JobState(standby=(SlotKey("a", 1),), held_until={SlotKey("b", 0): 130.0}, first_exit=(95.0, "a[0]#0"))
-    waits = adoption.waits_of(state)
-    assert waits == adoption.Waits((SlotKey("a", 1),), ((SlotKey("b", 0), 130.0),), (95.0, "a[0]#0"))
-    state.held_until.clear()  # the driver's own dict: the save's tuple is left alone
-    assert waits.held_until
+    copy = state_codec.capture(state)
+    assert (copy.standby, copy.held_until, copy.first_exit) == (
+        (SlotKey("a", 1),), {SlotKey("b", 0): 130.0}, (95.0, "a[0]#0"))
+    state.held_until.clear()  # the driver's own dict: the save's copy is left alone
+    assert copy.held_until
+
+
+def test_an_adoption_keeps_a_stop_under_way_and_the_process_facts_it_finds_workers_by(tmp_path):
+    """A worker the previous driver was stopping is still stopped (SIGKILL when the rest of its
+    grace is over), and a launcher's ``adopt`` gets the record with its keeper's pid."""
+    reg, hosts, target = a_job(tmp_path)
+    stopping = reg.state.workers["a[1]#2"]
+    stopping.stop_deadline, stopping.kill_reason = 105.0, "its slot left the job"
+    stopping.keeper_pid, stopping.start_ticks, stopping.log_file = 4242, 99, "/logs/w.log"
+    asked = []
+
+    def adopt(record: WorkerRecord, prefix) -> LostProcess:
+        asked.append((record.worker_id, record.slot, record.keeper_pid, record.start_ticks, record.log_file))
+        return LostProcess()
+
+    new_reg = a_registry()
+    with new_reg.cond:
+        adoption.restore(saved(reg, 100.0), new_reg, adopt, lambda record: lambda: "", 500.0)
+    again = new_reg.state.workers["a[1]#2"]
+    assert (again.stop_deadline, again.kill_reason) == (505.0, "its slot left the job")
+    assert ("a[1]#2", SlotKey("a", 1), 4242, 99, "/logs/w.log") in asked
+    assert (again.started_at, again.last_heartbeat) == (500.0, None)  # never joined: its start-up bound, from now
+    assert new_reg.state.workers["a[0]#0"].last_heartbeat == 500.0  # joined: its heartbeat deadline, from now
