@@ -19,8 +19,7 @@ class Keeping:
         """Save what decision passes changed, paced by the save's cost (``SavePacing``)."""
         if self._keeping is None:
             return
-        current = self._registry.state.round
-        key = (current.number if current else 0, self._registry.state.generation)
+        key = self._state.round_key()
         if self._save_pacing.due(now, key):
             started = time.perf_counter()
             self._save_state()
@@ -93,7 +92,7 @@ class Keeping:
         self._state.tally.outages.append(line)
         log.info("Adopting the job in %s: %s.", keeping.dir.path, line)
         self._adoption_watch = adoption.AdoptionWatch(
-            [self._registry.state.workers[w] for w, proc in restored.processes.items() if proc.poll() is None],
+            [self._state.workers[w] for w, proc in restored.processes.items() if proc.poll() is None],
             self._clock(), self._started_at)
         self._events.resume(round_number)
         self._events.emit("driver_restarted", outage_s=round(keeping.outage, 3), adopted=restored.adopted,

@@ -107,7 +107,7 @@ class Lifecycle:
             self._hand_over()
             return
         with self._registry.cond:
-            self._registry.state.closing = True  # a SIGTERM from stop_all below means "exit now"
+            self._state.closing = True  # a SIGTERM from stop_all below means "exit now"
             self._registry.wake_all()
         self._discovery.close()
         if self._adopting and self._server is None:
@@ -150,7 +150,7 @@ class Lifecycle:
             departures_omitted=self._state.tally.departures.omitted,
             refused=refused,
             resumed_from=str(self._resume.found.path) if self._resume and self._resume.found else "",
-            snapshots=snapshots.totals(self._registry.state.workers.values()) if self._config.snapshots else None,
+            snapshots=snapshots.totals(self._state.workers.values()) if self._config.snapshots else None,
             outages=tuple(self._state.tally.outages),
             handed_over=self._handed_over,
         )
