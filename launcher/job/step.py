@@ -122,9 +122,10 @@ def _reap(state: JobState, exits: tuple[Exited, ...], now: float, rules: Rules, 
             continue
         _apply_exit(state, record, exited, now, rules, fx)
     exited_ids = {e.worker_id for e in exits}
-    for record in state.live_workers():
+    for record in state.workers.values():  # every turn: no list built
         deadline = record.stop_deadline
-        if deadline is not None and now >= deadline and record.worker_id not in exited_ids:
+        if (deadline is not None and now >= deadline and not record.state.finished
+                and record.worker_id not in exited_ids):
             fx.signal(record.worker_id, signal.SIGKILL)
     return bool(exits)
 
