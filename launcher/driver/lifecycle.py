@@ -58,6 +58,9 @@ class Lifecycle:
         if self._server is None:
             self._listen()
         assert self._server is not None
+        # Where every round's members find the store (an adopted state says where the previous
+        # driver served: this one may serve elsewhere).
+        self._state.address, self._state.port = self._address, self._server.port
         self._server.start()
         log.info("Rendezvous service and process-group store at %s.", self._server.url)
         if self._keeping is not None:

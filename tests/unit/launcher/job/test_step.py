@@ -232,3 +232,11 @@ def test_a_rolling_move_keeps_the_member_that_holds_the_state_until_the_joiner_h
     assert job.state.round.members == (holder, joiner.worker_id)
     fx = job.turn()  # the joiner holds the state now: the holder is let go
     assert job.state.workers[holder].leave and [a.slot.host for a in job.state.target] == ["h3"]
+
+
+def test_a_rounds_members_are_told_where_the_driver_serves_the_store():
+    job = Job((HostSlots("a", 1),), np=1)
+    job.state.address, job.state.port = "10.0.0.7", 29500
+    [worker] = job.formed()
+    a = job.state.workers[worker].assignment
+    assert (a.store_host, a.store_port) == ("10.0.0.7", 29500)
