@@ -164,6 +164,10 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "each worker starts a child (an hour's sleep); one worker alone is SIGKILLed (as by the OOM killer), the other "
      "finishes", "success at 1 of 2",
      "the killed worker's child ends with it, the finished worker's child at its exit; nothing left after the driver"),
+    ("test_snapshots.py::test_a_newer_snapshot_is_never_replaced_by_an_older_write_that_ends_after_it", "loop",
+     "`--snapshot-dir`: rank 0's snapshot write held, its host removed; the next round's rank 0 writes a newer "
+     "snapshot under the same number, then the held write ends", "success at 2 -> 1",
+     "both snapshots kept under their own names, the newer unchanged and the one a resume takes; no failed write"),
 ]
 
 
