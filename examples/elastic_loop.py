@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import copy
 import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,12 +67,34 @@ def parse_args() -> argparse.Namespace:
                              "last round)")
     faults.add_argument("--hang-after-done-on-host", default="",
                         help="after training returned, this host's workers never exit")
+    faults.add_argument("--snapshot-gate", type=Path,
+                        help="a file: snapshots written on --snapshot-gate-on-host wait while it exists (at most 60 s)")
+    faults.add_argument("--snapshot-gate-on-host", default="", help="host whose snapshot writes wait at the gate")
     faults.add_argument("--child", action="store_true",
                         help="start a child process that sleeps (as a data loader's worker or a tool would); it "
                              "must not outlive the worker")
     faults.add_argument("--slow-exit", type=float, default=0.0,
                         help="seconds every worker's exit takes after it left the job (a busy machine's teardown)")
     return parser.parse_args()
+
+
+class SnapshotGate:
+    """A value of the state whose pickling waits while a file exists, in a snapshot writer's
+    thread on one host only: the test holds a snapshot write there (its temporary file
+    open, its commit taken) while training goes on. Deep copies (commits) and the state's
+    broadcast pass at once, and so does the writer's copy of the tree before its file is open."""
+
+    def __init__(self, path: str, host: str) -> None:
+        self.path, self.host = path, host
+
+    def __reduce__(self) -> tuple:
+        copying = sys._getframe(1).f_code.co_filename == copy.__file__  # the writer's deep copy, not its pickle
+        if (threading.current_thread().name == "elastic-snapshot" and not copying
+                and os.environ.get("LIGHTNING_ELASTIC_HOSTNAME") == self.host):
+            deadline = time.monotonic() + 60
+            while os.path.exists(self.path) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return (SnapshotGate, (self.path, self.host))
 
 
 def on_host(host: str) -> bool:
@@ -138,6 +162,8 @@ def main() -> None:
     state = le.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0, seen=[])
     if args.ballast_mb:
         state.ballast = torch.zeros(args.ballast_mb * 2**18)  # float32: 4 bytes each
+    if args.snapshot_gate is not None:
+        state.gate = SnapshotGate(str(args.snapshot_gate), args.snapshot_gate_on_host)
     injected = {"dist_error": False}
 
     def on_reset() -> None:

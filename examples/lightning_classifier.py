@@ -7,7 +7,7 @@ Run it alone, elastically, or with plain DDP for comparison:
     python examples/lightning_classifier.py --strategy ddp --devices 2
 
 A snapshot an elastic run wrote (``--snapshot-dir``) is a Lightning checkpoint: plain DDP goes
-on from it with ``--strategy ddp --devices 2 --ckpt-path DIR/snapshot-N.pt``.
+on from it with ``--strategy ddp --devices 2 --ckpt-path DIR/snapshot-N-step-STEP.pt``.
 
 The data set is generated (three interleaved spirals, 2-D points, 3 classes); the model is
 an MLP trained with AdamW and a StepLR schedule, its LR scaled with the world size. The script

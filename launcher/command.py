@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,14 +41,15 @@ def check_command(command: Sequence[str], cwd: str | Path, path: str | None) -> 
     program = command[0]
     if os.sep not in program:
         if shutil.which(program, path=path) is None:
-            here = Path(cwd, program)
-            hint = f" (to run the file here, write ./{program})" if here.is_file() else ""
+            here = os.path.isfile(os.path.join(cwd, program))  # (False for any error: only a hint)
+            hint = f" (to run the file here, write ./{program})" if here else ""
             raise ConfigError(f"COMMAND: {program}: no such program on PATH{hint}")
         return
     file = Path(cwd, program)
-    if not file.exists():
+    st = _stat(program, file)
+    if st is None:
         raise ConfigError(f"COMMAND: {program}: no such file")
-    if file.is_dir():
+    if stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"COMMAND: {program}: is a directory, expected a program or a script")
     if not os.access(file, os.X_OK):
         raise ConfigError(f"COMMAND: {program}: not executable (chmod +x it, or name its interpreter first)")
@@ -55,6 +57,20 @@ def check_command(command: Sequence[str], cwd: str | Path, path: str | None) -> 
 
 def check_script(command: Sequence[str], cwd: str | Path) -> None:
     """For ``train.py`` run with the driver's Python (``with_python``): the script must exist."""
-    script = Path(cwd, command[1])
-    if not script.is_file():
+    st = _stat(command[1], Path(cwd, command[1]))
+    if st is None or not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"COMMAND: {command[1]}: no such file")
+
+
+def _stat(given: str, file: Path) -> os.stat_result | None:
+    """``file``'s status (following links), None when it does not exist; any other reason
+    it cannot be looked at (a directory on the way this user cannot search, a name too
+    long, a loop of symbolic links) is one line naming the input as given."""
+    try:
+        return file.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise ConfigError(f"COMMAND: {given}: cannot be examined ({reason}), expected a program or a script "
+                          "this user can reach") from None

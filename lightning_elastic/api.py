@@ -150,9 +150,9 @@ def slot_info() -> SlotInfo:
 def load_snapshot(path: str | os.PathLike[str], verify: bool = True) -> Any:
     """The state tree a durable snapshot holds (``--snapshot-dir``), on the CPU.
 
-    ``path``: a snapshot's data file (``snapshot-N.pt``), its manifest (``snapshot-N.json``)
+    ``path``: a snapshot's data file (``snapshot-N-step-STEP.pt``), its manifest (``.json``)
     or the snapshot directory itself (its newest valid snapshot); a local path or an fsspec
-    URL (``"s3://bucket/prefix/snapshot-3.pt"``). A ``le.TorchState``'s
+    URL (``"s3://bucket/prefix/snapshot-3-step-600.pt"``). A ``le.TorchState``'s
     snapshot is ``{"values": {name: value}, "stateful": {name: state_dict}}``; an
     ``elastic_hvd`` job's is a Lightning checkpoint. The checksum in the manifest is checked
     first (``verify=False`` skips it); a snapshot that fails it raises ``ValueError``. It

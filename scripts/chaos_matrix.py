@@ -170,6 +170,10 @@ CASES: list[tuple[str, str, str, str, str]] = [
     ("test_multi_machine.py::test_a_rolling_move_across_remote_hosts_keeps_the_state", "machines",
      "a rolling move over ssh: discovery lists H1 -> H1,H2 -> H2,H3 -> H3, H2 removed before H3's worker joined",
      "success at 1 on H3; H2 stays until the round with H3 formed", "exactly once; no failure, no blacklist"),
+    ("test_snapshots.py::test_a_newer_snapshot_is_never_replaced_by_an_older_write_that_ends_after_it", "loop",
+     "`--snapshot-dir`: rank 0's snapshot write held, its host removed; the next round's rank 0 writes a newer "
+     "snapshot under the same number, then the held write ends", "success at 2 -> 1",
+     "both snapshots kept under their own names, the newer unchanged and the one a resume takes; no failed write"),
 ]
 
 

@@ -21,7 +21,8 @@ runs it (``forked_worker.py``).
 
 The server dies with whatever started it (PR_SET_PDEATHSIG, as a worker: the driver, or
 the ssh supervisor whose connection is its lifeline), and each child with the server; a
-child whose client has gone (SIGKILLed with its process group) is SIGKILLed. SIGTERM ends
+child whose client has gone (SIGKILLed with its process group) is SIGKILLed, by its pid and
+its group (it may not have made its session yet: ``_kill_group``). SIGTERM ends
 the server and removes its directory. The python hash seed is the server's, shared by the
 workers it forks.
 """
@@ -236,10 +237,16 @@ class Server:
 
 
 def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL a forked worker and its session: the worker itself first, by its pid, then
+    its process group. A child that has not yet made its session (``setsid`` in
+    ``become``) has no group of its own: signalled by group alone, it ran on unsupervised.
+    Killed by pid first, it makes none after; and its group's id stays its pid until this
+    server reaps it, so the group's signal reaches whatever it started, never another's."""
+    for kill in (os.kill, os.killpg):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _close_all(fds: list[int]) -> None:

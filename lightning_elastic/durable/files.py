@@ -1,17 +1,27 @@
 """Durable snapshots on disk: their layout, manifests, checksums, and which one to resume.
 
 Standard library only: the driver picks the snapshot a launch resumes from without
-importing torch. A snapshot ``N`` is two files in the snapshot directory:
+importing torch. A snapshot is two files in the snapshot directory, named by its number
+``N`` and the ``STEP`` of its commit:
 
-* ``snapshot-N.pt``: the committed state tree as ``torch.save`` writes it (for an
-  ``elastic_hvd`` job, a Lightning checkpoint);
-* ``snapshot-N.json``: its manifest (``Manifest``), with the data file's SHA-256.
+* ``snapshot-N-step-STEP.pt``: the committed state tree as ``torch.save`` writes it (for
+  an ``elastic_hvd`` job, a Lightning checkpoint);
+* ``snapshot-N-step-STEP.json``: its manifest (``Manifest``), with the data file's SHA-256.
 
-Both are written under a temporary name, fsynced and renamed into place, data file first:
-the manifest's rename is what makes a snapshot exist, so a crash at any moment leaves
-either a complete snapshot or none (a stray temporary file, removed by the next writer).
-A data file that no longer matches its manifest's checksum (truncated, overwritten) is
-skipped when resuming, with a warning, in favour of the previous snapshot.
+Snapshots are ordered by ``(N, STEP)``. ``N`` is one more than the highest in the
+directory when the write starts, so two writers of one job (a rank 0 whose round ended
+while it wrote, and the next round's) may take the same ``N``; their commits then differ
+in ``STEP``, the newer one orders after the older, and neither name is another's. Both
+files are published without replacing anything (a hard link, ``O_EXCL``, fsspec's
+exclusive mode): a newer snapshot is never replaced by an older one. The previous naming,
+``snapshot-N.pt`` and ``snapshot-N.json``, is still read (ordered as ``(N, -1)``).
+
+Both are written under a temporary name, fsynced and published, data file first: the
+manifest's is what makes a snapshot exist, so a crash at any moment leaves either a
+complete snapshot or none (a stray temporary file, removed by the next writer whatever its
+pid, once its own writer is dead; a data file without a manifest, pruned with the older
+snapshots). A data file that no longer matches its manifest's checksum (truncated,
+overwritten) is skipped when resuming, with a warning, in favour of the previous snapshot.
 
 The directory may also be an fsspec URL (``s3://bucket/prefix``): every file operation
 goes through a ``snapshot_fs.Store``, which for an object store writes each file under
@@ -45,7 +55,8 @@ from lightning_elastic.durable.fs import (  # noqa: F401 - re-exported: files is
 
 # The manifest's format: a snapshot written by a newer format is refused, not guessed at.
 FORMAT = 1
-_NAME = re.compile(r"^snapshot-(\d{1,12})\.json$")
+# A snapshot's files: snapshot-N-step-STEP.{pt,json}, or the previous naming snapshot-N.{pt,json}.
+_FILE = re.compile(r"^snapshot-(\d{1,12})(?:-step-(\d{1,18}))?\.(json|pt)$")
 _CHUNK = 1 << 22
 
 # What the launcher tells its workers (--snapshot-*); read by lightning_elastic.durable.store.
@@ -86,7 +97,7 @@ class SnapshotSettings:
 class Manifest:
     """What a snapshot holds, written next to it as JSON."""
 
-    sequence: int  # N of snapshot-N: increases with every snapshot written to the directory
+    sequence: int  # N of snapshot-N-step-STEP: one more than the highest in the directory when written
     round: int  # the round whose rank 0 committed it
     step: int  # the training step of the commit (the state's step or the commit count)
     epoch: int
@@ -103,11 +114,13 @@ class Manifest:
 
     @property
     def data_name(self) -> str:
-        return f"snapshot-{self.sequence}.pt"
+        """The data file's name as this version writes it (a manifest read from the
+        directory names its data file by its own name: see ``data_name_of``)."""
+        return f"snapshot-{self.sequence}-step-{self.step}.pt"
 
     @property
     def manifest_name(self) -> str:
-        return f"snapshot-{self.sequence}.json"
+        return f"snapshot-{self.sequence}-step-{self.step}.json"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -144,7 +157,7 @@ class Found:
 
     @property
     def name(self) -> str:
-        return self.manifest.data_name
+        return base_name(self.path)
 
 
 class HashingWriter:
@@ -189,42 +202,65 @@ def store_sha256(store: Store, name: str) -> str:
 
 
 def next_sequence(directory: Location | Store) -> int:
-    """One more than the highest snapshot number in ``directory`` (1 when there is none)."""
-    numbers = [n for n, _ in _manifest_files(open_store(directory))]
+    """One more than the highest snapshot number in ``directory`` (1 when there is none),
+    data files without a manifest included."""
+    numbers = [key[0] for key, _name, _kind in _snapshot_files(open_store(directory))]
     return max(numbers, default=0) + 1
 
 
-def _manifest_files(store: Store) -> list[tuple[int, str]]:
-    """``(number, manifest name)`` of each snapshot, oldest first."""
+def _snapshot_files(store: Store) -> list[tuple[tuple[int, int], str, str]]:
+    """``((N, STEP), name, "json" or "pt")`` of each snapshot file, oldest first (the
+    previous naming's files as step -1)."""
     found = []
     for name in store.names():
-        match = _NAME.match(name)
+        match = _FILE.match(name)
         if match:
-            found.append((int(match.group(1)), name))
+            step = int(match.group(2)) if match.group(2) is not None else -1
+            found.append(((int(match.group(1)), step), name, match.group(3)))
     return sorted(found)
 
 
+def _manifest_files(store: Store) -> list[tuple[tuple[int, int], str]]:
+    """``((N, STEP), manifest name)`` of each snapshot, oldest first."""
+    return [(key, name) for key, name, kind in _snapshot_files(store) if kind == "json"]
+
+
+def data_name_of(manifest_name: str) -> str:
+    """The data file of the manifest ``manifest_name`` (either naming)."""
+    return manifest_name.removesuffix(".json") + ".pt"
+
+
 def publish(directory: Location | Store, manifest: Manifest) -> None:
-    """Write ``manifest`` next to its data file, which is complete and durable already."""
+    """Write ``manifest`` next to its data file, which is complete and durable already
+    (never over an existing manifest: ``FileExistsError``)."""
     text = manifest.to_json().encode()
-    open_store(directory).write(manifest.manifest_name, lambda f: f.write(text))
+    open_store(directory).write(manifest.manifest_name, lambda f: f.write(text), exclusive=True)
 
 
 def prune(directory: Location | Store, keep: int) -> None:
     """Delete all but the newest ``keep`` snapshots (manifest first: a snapshot stops
-    existing before its data goes) and temporary files left by a crashed writer."""
+    existing before its data goes), data files without a manifest older than the oldest
+    kept (a writer killed between the two, or an upload cut off), and the temporary files
+    of dead writers."""
     store = open_store(directory)
-    manifests = _manifest_files(store)
-    for number, manifest in manifests[: max(0, len(manifests) - keep)]:
-        for name in (manifest, f"snapshot-{number}.pt"):
+    every = _snapshot_files(store)
+    manifests = [(key, name) for key, name, kind in every if kind == "json"]
+    for _key, manifest in manifests[: max(0, len(manifests) - keep)]:
+        for name in (manifest, data_name_of(manifest)):
             store.delete(name)
+    kept = manifests[max(0, len(manifests) - keep):]
+    if kept:
+        with_manifest = {data_name_of(name) for _key, name in manifests}
+        for key, name, kind in every:
+            if kind == "pt" and name not in with_manifest and key < kept[0][0]:
+                store.delete(name)
     store.clean_up()
 
 
 def snapshots(directory: Location | Store) -> Iterator[tuple[int, Location]]:
     """``(number, manifest path)`` of every snapshot in ``directory``, newest first."""
     store = open_store(directory)
-    return iter([(n, store.location(name)) for n, name in reversed(_manifest_files(store))])
+    return iter([(key[0], store.location(name)) for key, name in reversed(_manifest_files(store))])
 
 
 def check(manifest_path: Location, verify: bool = True) -> Found:
@@ -240,16 +276,17 @@ def _check(store: Store, manifest_name: str, verify: bool) -> Found:
     except (OSError, UnicodeDecodeError) as err:
         raise SnapshotError(f"{where}: cannot read the manifest ({err})") from None
     manifest = Manifest.from_json(text, str(where))
-    data = store.location(manifest.data_name)
+    data_name = data_name_of(manifest_name)
+    data = store.location(data_name)
     try:
-        size = store.size(manifest.data_name)
+        size = store.size(data_name)
     except OSError as err:
         raise SnapshotError(f"{data}: {err.strerror or err}") from None
     if size != manifest.size:
         raise SnapshotError(f"{data}: {size} bytes, its manifest says {manifest.size} (torn or truncated)")
     if verify:
         try:
-            digest = store_sha256(store, manifest.data_name)
+            digest = store_sha256(store, data_name)
         except OSError as err:
             raise SnapshotError(f"{data}: {err.strerror or err}") from None
         if digest != manifest.sha256:

@@ -3,14 +3,22 @@
 The snapshot logic (``durable.files``) reads and writes through one small interface,
 ``Store``: list the names in the directory, read, size, write one file, delete. Two kinds:
 
-* ``LocalStore`` (a path): a file is written under a temporary name, fsynced, renamed into
-  place and the directory fsynced, so a crash leaves the old file or the new, never half.
+* ``LocalStore`` (a path): a file is written under a temporary name, fsynced, renamed (or,
+  for a snapshot's files, hard-linked: never over an existing file) into place and the
+  directory fsynced, so a crash leaves the old file or the new, never half. The temporary
+  file is locked (``flock``) by its writer for the whole write and named after it (the
+  process's pid space, pid and start time): the next writer, whatever its pid, removes the
+  temporary files of writers that are dead and leaves a live writer's alone.
 * ``FsspecStore`` (``s3://bucket/prefix``, ``gs://...``, ``file://...``, any URL whose
   scheme has an fsspec implementation installed): object stores have no rename, but one
-  object's upload is all or nothing, so a file is written under its final name. That a
-  snapshot exists is still decided by its manifest, written after its data; a data object
-  whose upload was cut off has no manifest (or a manifest whose size or checksum it fails)
-  and is not resumed from.
+  object's upload is all or nothing, so a file is written under its final name, with
+  fsspec's exclusive mode (``"xb"``: S3's ``If-None-Match: *``) where the implementation
+  has one, so that an object is never replaced. That a snapshot exists is still decided by
+  its manifest, written after its data; a data object whose upload was cut off has no
+  manifest (or a manifest whose size or checksum it fails) and is not resumed from. There
+  are no temporary objects to clean up; a killed writer's S3 multipart upload is invisible
+  and left to the bucket's ``AbortIncompleteMultipartUpload`` lifecycle rule (nothing here
+  can tell a dead writer's upload from a live one's).
 
 Standard library only: fsspec is imported when a URL is first used (the extras
 ``lightning-elastic[snapshots]``, ``lightning-elastic[snapshots-s3]``). Credentials and
@@ -20,8 +28,13 @@ endpoint) or fsspec's configuration files.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Protocol
@@ -31,6 +44,14 @@ from typing import IO, Any, BinaryIO, Protocol
 Location = Path | str
 
 TEMP_PREFIX = ".tmp-snapshot-"
+# A temporary file's name: TEMP_PREFIX, the writer's pid space, pid and start time, the final name.
+_TEMP = re.compile(r"^\.tmp-snapshot-([0-9a-f]{12})-(\d+)-(\d+)-(.+)$")
+# The previous versions' temporary names: TEMP_PREFIX, pid, the final name (never locked).
+_LEGACY_TEMP = re.compile(r"^\.tmp-snapshot-(\d+)-(.+)$")
+# A temporary file whose writer cannot be checked from here (another machine's, or one of
+# a previous version, which took no lock) is removed once untouched for this long: a live
+# writer writes to it continuously, and a shared file system's lock may be local only.
+FOREIGN_TEMP_AGE = 600.0
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # The extra that brings each common scheme's implementation (the error says what to install).
 _EXTRAS = {"s3": "lightning-elastic[snapshots-s3]", "s3a": "lightning-elastic[snapshots-s3]"}
@@ -114,8 +135,9 @@ class Store(Protocol):
     def open_read(self, name: str) -> IO[bytes]:
         """A seekable binary file (a context manager)."""
 
-    def write(self, name: str, fill: Callable[[BinaryIO], None]) -> None:
-        """Write ``name`` through ``fill(file)``, all or nothing as far as the store allows."""
+    def write(self, name: str, fill: Callable[[BinaryIO], None], exclusive: bool = False) -> None:
+        """Write ``name`` through ``fill(file)``, all or nothing as far as the store allows.
+        ``exclusive``: never replace an existing ``name`` (``FileExistsError`` instead)."""
 
     def delete(self, name: str) -> None:
         """Remove ``name``; a file already gone is no error."""
@@ -127,7 +149,7 @@ class Store(Protocol):
         """A guess, without writing: False when writes certainly fail."""
 
     def clean_up(self) -> None:
-        """Remove what this process's own crashed writes left (temporary files)."""
+        """Remove the temporary files of dead writers (any process's), never a live one's."""
 
 
 class LocalStore:
@@ -154,8 +176,8 @@ class LocalStore:
     def open_read(self, name: str) -> IO[bytes]:
         return open(self.directory / name, "rb")
 
-    def write(self, name: str, fill: Callable[[BinaryIO], None]) -> None:
-        write_atomically(self.directory / name, fill)
+    def write(self, name: str, fill: Callable[[BinaryIO], None], exclusive: bool = False) -> None:
+        write_atomically(self.directory / name, fill, exclusive)
 
     def delete(self, name: str) -> None:
         try:
@@ -170,30 +192,123 @@ class LocalStore:
         return os.access(self.directory, os.W_OK | os.X_OK)
 
     def clean_up(self) -> None:
-        # Another process's temporary file may be a write in progress (two jobs, one
-        # directory); only this process's own leftovers are certainly dead.
-        mine = f"{TEMP_PREFIX}{os.getpid()}-"
         for name in self.names():
-            if name.startswith(mine):
+            if name.startswith(TEMP_PREFIX) and temp_is_abandoned(self.directory / name):
                 self.delete(name)
 
 
-def write_atomically(path: Path, fill: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through ``fill(file)``: a temporary name, fsync, rename, fsync the directory."""
-    temp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
+def _pid_space() -> str:
+    """This machine's boot and pid namespace, hashed: pids are comparable only within one."""
+    parts = []
+    for read in (lambda: open("/proc/sys/kernel/random/boot_id").read().strip(),  # noqa: SIM115
+                 lambda: str(os.stat("/proc/self/ns/pid").st_ino)):
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append(os.uname().nodename)
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:12]
+
+
+def _start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat), or None if it is gone."""
     try:
-        with open(temp, "wb") as f:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # field 22; fields[0] is field 3 (after "pid (comm)")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def temp_name(final: str) -> str:
+    """The temporary name this process writes ``final`` under."""
+    pid = os.getpid()
+    return f"{TEMP_PREFIX}{_pid_space()}-{pid}-{_start_time(pid) or 0}-{final}"
+
+
+def _locked_by_someone(path: Path) -> bool | None:
+    """Whether another open file holds ``path``'s flock: True, False, or None (cannot tell:
+    the file is gone, or the file system has no locks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        return True if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+    finally:
+        os.close(fd)  # (releases the lock just taken, if any)
+    return False
+
+
+def temp_is_abandoned(path: Path, now: Callable[[], float] = time.time) -> bool:
+    """Whether the temporary file ``path`` was left by a writer that is dead.
+
+    Its writer holds its flock from the file's creation to its rename: a held lock is a
+    live writer. A free one is a dead writer when the name says it was a process of this
+    pid space that no longer runs (its pid gone, or reused: another start time): this also
+    covers the instant between the file's creation and its lock. A writer this machine
+    cannot check (another machine's, on a shared file system whose locks may be local to
+    each client; a previous version's, which took no lock) is taken for dead once its file
+    was untouched for ``FOREIGN_TEMP_AGE`` seconds.
+    """
+    locked = _locked_by_someone(path)
+    if locked:
+        return False
+    match = _TEMP.match(path.name)
+    if match is not None and match.group(1) == _pid_space():
+        pid, started = int(match.group(2)), int(match.group(3))
+        alive = _start_time(pid)
+        return alive is None or alive != started
+    try:
+        age = now() - path.lstat().st_mtime
+    except OSError:
+        return False
+    return age > FOREIGN_TEMP_AGE
+
+
+def write_atomically(path: Path, fill: Callable[[BinaryIO], None], exclusive: bool = False) -> None:
+    """Write ``path`` through ``fill(file)``: a temporary name (locked while written), fsync,
+    rename, fsync the directory. ``exclusive``: publish with a hard link, which never
+    replaces an existing ``path`` (``FileExistsError``); where the file system has no hard
+    links, ``path`` is created empty with ``O_EXCL`` first and the file renamed over it."""
+    temp = path.with_name(temp_name(path.name))
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        with contextlib.suppress(OSError):  # no locks here: the name's pid and start time still tell
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        with open(fd, "wb", closefd=False) as f:
             fill(f)
             f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
+            os.fsync(fd)
+        if exclusive:
+            _link_no_replace(temp, path)
+        else:
+            os.replace(temp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             temp.unlink()
-        except OSError:
-            pass
         raise
+    finally:
+        os.close(fd)  # after the rename or unlink: the lock is held until the name is gone
     fsync_directory(path.parent)
+
+
+def _link_no_replace(temp: Path, path: Path) -> None:
+    try:
+        os.link(temp, path)
+    except FileExistsError:
+        raise
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+        # No hard links here (FAT, some FUSE and SMB mounts): take the name with O_EXCL, then
+        # put the file over the empty placeholder (a reader may see it empty for an instant:
+        # a data file without its manifest yet, or a manifest it skips until the next look).
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.replace(temp, path)
+        return
+    temp.unlink()
 
 
 def fsync_directory(directory: Path) -> None:
@@ -270,15 +385,18 @@ class FsspecStore:
     def open_read(self, name: str) -> IO[bytes]:
         return self._call(name, lambda: self._fs.open(self._path(name), "rb"))
 
-    def write(self, name: str, fill: Callable[[BinaryIO], None]) -> None:
+    def write(self, name: str, fill: Callable[[BinaryIO], None], exclusive: bool = False) -> None:
         path = self._path(name)
-        f = self._call(name, lambda: self._fs.open(path, "wb"))
+        f = self._call(name, lambda: self._open_for_writing(path, exclusive))
         try:
             fill(f)
         except BaseException:
             # Abandon the upload (s3fs aborts its multipart upload) and mark the file closed,
-            # or its finaliser would upload the part written; whatever reached the store
-            # under this name has no manifest, and the next snapshot reuses the name.
+            # or its finaliser would upload the part written; what an implementation that
+            # writes in place (memory://, file://) holds under the name is removed. (Under
+            # an exclusive write, another writer's object of the same name, which is the
+            # same commit, would go too: rarer than rare, and then the previous snapshot
+            # is resumed from.)
             for undo in (getattr(f, "discard", None), lambda: setattr(f, "closed", True),
                          lambda: self._fs.rm_file(path)):
                 try:
@@ -288,6 +406,20 @@ class FsspecStore:
                     pass
             raise
         self._call(name, f.close)  # the upload completes here: the object exists
+
+    def _open_for_writing(self, path: str, exclusive: bool) -> Any:
+        """``path`` opened for writing; ``exclusive``: in fsspec's exclusive mode ("xb": the
+        object is created only if there is none, ``FileExistsError`` otherwise), or, for an
+        implementation without one, after checking that there is none (the name of a
+        snapshot's file carries its step: two writers can only race for the same commit)."""
+        if exclusive:
+            try:
+                return self._fs.open(path, "xb")
+            except (ValueError, NotImplementedError, TypeError):
+                self._fresh(path)
+                if self._fs.exists(path):
+                    raise FileExistsError(errno.EEXIST, "exists already", self.location(base_name(path)))
+        return self._fs.open(path, "wb")
 
     def delete(self, name: str) -> None:
         def delete() -> None:
@@ -305,4 +437,4 @@ class FsspecStore:
         return True  # only a write can tell
 
     def clean_up(self) -> None:
-        pass  # no temporary objects
+        pass  # no temporary objects (an S3 multipart upload of a killed writer: see the module's docstring)

@@ -206,6 +206,8 @@ class SnapshotWriter:
         started = time.monotonic()
         try:
             manifest = self._write_files(committed, info)
+            if manifest is None:
+                return
         except Exception as err:  # noqa: BLE001 - a snapshot never stops training
             text = f"{type(err).__name__}: {err}" if not isinstance(err, OSError) else _os_error(err)
             with self._lock:
@@ -222,13 +224,19 @@ class SnapshotWriter:
         log.info("Snapshot %s written (step %d, %.1f MB, %.2f s).", manifest.data_name, manifest.step,
                  manifest.size / 1e6, time.monotonic() - started)
 
-    def _write_files(self, committed: Committed, info: SnapshotInfo) -> Manifest:
+    def _write_files(self, committed: Committed, info: SnapshotInfo) -> Manifest | None:
+        """Write the snapshot; None when another writer of the job wrote the same one."""
         import torch
 
         directory = files.open_store(self.settings.directory)  # a local directory or an object store
         directory.make()
+        # What dead writers left (a rank 0 killed mid-write, whatever its pid): before this
+        # write, whose space it may need.
+        directory.clean_up()
         # The next number after this writer's last and after any in the directory (the
-        # previous rank 0 of the job wrote there too); a failed write uses none up.
+        # previous rank 0 of the job wrote there too); a failed write uses none up. Another
+        # writer may take the same number (nothing reserves it before the write ends): the
+        # step in the name tells the two snapshots apart and orders them.
         sequence = max((self._sequence or 0) + 1, files.next_sequence(directory))
         taken_at = time.time()
         tree = committed.tree(clone=False)  # the leased buffers themselves: only read
@@ -247,13 +255,22 @@ class SnapshotWriter:
                     raise writer.error from None  # "No space left on device", not torch's "unexpected pos"
                 raise
 
-        directory.write(f"snapshot-{sequence}.pt", fill)  # atomically: see durable.fs
         library, torch_version = _versions()
-        manifest = Manifest(
+        partial = Manifest(
             sequence=sequence, round=info.round, step=info.step, epoch=info.epoch, world_size=info.world_size,
             sampler=info.sampler, time=taken_at, library=library, torch=torch_version, job_id=self._job_id,
-            kind=info.kind, sha256=box["w"].hexdigest(), size=box["w"].size,
+            kind=info.kind, sha256="", size=0,
         )
+        try:
+            # Published without replacing anything (see durable.fs): a name taken already
+            # is this same commit, written by another writer of the job.
+            directory.write(partial.data_name, fill, exclusive=True)
+        except FileExistsError:
+            log.info("Snapshot %s was written by another writer of the job already: this one is skipped.",
+                     partial.data_name)
+            self._sequence = sequence
+            return None
+        manifest = dataclasses.replace(partial, sha256=box["w"].hexdigest(), size=box["w"].size)
         files.publish(directory, manifest)
         self._sequence = sequence
         files.prune(directory, self.settings.keep)
@@ -269,8 +286,8 @@ def _os_error(err: OSError) -> str:
 
 
 def load_snapshot(path: str | os.PathLike[str], verify: bool = True) -> Any:
-    """The state tree of a snapshot: ``path`` is its data file (``snapshot-N.pt``), its
-    manifest (``snapshot-N.json``) or a snapshot directory (its newest valid snapshot).
+    """The state tree of a snapshot: ``path`` is its data file (``snapshot-N-step-STEP.pt``), its
+    manifest (``.json``) or a snapshot directory (its newest valid snapshot).
 
     For a ``le.TorchState`` the tree is ``{"values": {...}, "stateful": {name:
     state_dict}}``; for an ``elastic_hvd`` job a Lightning checkpoint dict. The checksum
@@ -298,7 +315,7 @@ def locate(path: Location, verify: bool, warn: Callable[[str], None]) -> Found:
         return found
     manifest = path if path.suffix == ".json" else path.with_suffix(".json")
     if not manifest.exists():
-        raise SnapshotError(f"{path}: no such snapshot (expected snapshot-N.pt with its snapshot-N.json)")
+        raise SnapshotError(f"{path}: no such snapshot (expected snapshot-N-step-STEP.pt with its .json manifest)")
     return files.check(manifest, verify)
 
 

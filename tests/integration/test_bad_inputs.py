@@ -176,6 +176,39 @@ def command_is_a_directory(d: Path):
         "COMMAND: {path}: is a directory, expected a program or a script", {"path": "./tools"})
 
 
+def command_name_too_long(d: Path):  # stat fails with ENAMETOOLONG: was a traceback (issue 34, point 11)
+    program = "./" + "x" * 300
+    return ["launch", "-np", "1", program], {}, Line(
+        "COMMAND: {path}: cannot be examined ({reason}), expected a program or a script this user can reach",
+        {"path": program, "reason": "File name too long"})
+
+
+def py_command_name_too_long(d: Path):
+    script = "y" * 300 + ".py"
+    return ["launch", "-np", "1", script], {}, Line(
+        "COMMAND: {path}: cannot be examined ({reason}), expected a program or a script this user can reach",
+        {"path": script, "reason": "File name too long"})
+
+
+def command_in_a_symlink_loop(d: Path):  # ELOOP: was "no such file", which it is not
+    (d / "a").symlink_to("b")
+    (d / "b").symlink_to("a")
+    return ["launch", "-np", "1", "./a"], {}, Line(
+        "COMMAND: {path}: cannot be examined ({reason}), expected a program or a script this user can reach",
+        {"path": "./a", "reason": "Too many levels of symbolic links"})
+
+
+def command_under_an_unsearchable_directory(d: Path):  # EACCES: root searches any directory
+    if os.geteuid() == 0:
+        pytest.skip("root may search any directory")
+    (d / "closed").mkdir()
+    executable(d / "closed" / "run.sh")
+    (d / "closed").chmod(0o600)
+    return ["launch", "-np", "1", "./closed/run.sh"], {}, Line(
+        "COMMAND: {path}: cannot be examined ({reason}), expected a program or a script this user can reach",
+        {"path": "./closed/run.sh", "reason": "Permission denied"})
+
+
 def log_dir_is_a_file(d: Path):
     (d / "logs").write_text("")
     return ["launch", "--log-dir", str(d / "logs"), PYTHON, "-c", "pass"], {}, Line(
@@ -305,7 +338,8 @@ def preload_without_python(d: Path):
 
 INVALID: list[Case] = [
     command_not_on_path, command_here_but_not_on_path, command_file_missing, py_command_missing,
-    command_not_executable, command_is_a_directory, log_dir_is_a_file, log_dir_under_a_file,
+    command_not_executable, command_is_a_directory, command_name_too_long, py_command_name_too_long,
+    command_in_a_symlink_loop, command_under_an_unsearchable_directory, log_dir_is_a_file, log_dir_under_a_file,
     state_dir_is_a_file, driver_patience_not_positive, driver_address_foreign, driver_address_not_ipv4, network_interface_unknown, discovery_script_is_a_directory,
     hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
     discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,

@@ -36,6 +36,11 @@ def relaunch(job: Job, name: str) -> Job:
     return again
 
 
+def data_name(manifest: dict) -> str:
+    """The data file of a snapshot as this version names it: its number and its step."""
+    return f"snapshot-{manifest['sequence']}-step-{manifest['step']}.pt"
+
+
 def manifests(directory: Path) -> list[dict]:
     found = []
     for path in sorted(directory.glob("snapshot-*.json")):
@@ -43,7 +48,7 @@ def manifests(directory: Path) -> list[dict]:
             found.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue  # pruned or not yet renamed into place
-    return sorted(found, key=lambda m: m["sequence"])
+    return sorted(found, key=lambda m: (m["sequence"], m["step"]))
 
 
 def kill_everything(job: Job, earlier: set[int] = frozenset()) -> None:
@@ -103,7 +108,7 @@ def test_a_job_killed_whole_resumes_from_its_newest_snapshot_and_ends_as_if_neve
     err = again.stderr()
     resumed = [e for e in driver_events(logs) if e["kind"] == "resumed_from_snapshot"]
     assert len(resumed) == 1 and resumed[0]["sequence"] == newest["sequence"], (resumed, newest)
-    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % newest['sequence'])}" in err
+    assert f"resumed from:  {snapshots / data_name(newest)}" in err
     # Training went on from the snapshot's step, on every rank.
     synced = [e for e in again.events("synced") if e["pid"] not in before]
     assert {e["step"] for e in synced} == {newest["step"]} and len(synced) == 2
@@ -123,14 +128,14 @@ def test_resume_at_another_world_size_from_the_previous_snapshot_when_the_newest
     kill_everything(job)
     first_pids = pids_of(job)
     *_, previous, newest = manifests(snapshots)
-    torn = snapshots / f"snapshot-{newest['sequence']}.pt"
+    torn = snapshots / data_name(newest)
     torn.write_bytes(torn.read_bytes()[: newest["size"] // 2])  # a write cut off half way
 
     again = relaunch(job, "again")
     assert again.run(["-np", "2", "-H", f"{H1},{H2}", *common], TRAIN) == 0, again.stderr()[-3000:]
     err = again.stderr()
-    assert f"skipping snapshot snapshot-{newest['sequence']}.json" in err
-    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % previous['sequence'])}" in err
+    assert f"skipping snapshot {data_name(newest).removesuffix('.pt')}.json" in err
+    assert f"resumed from:  {snapshots / data_name(previous)}" in err
     synced = [e for e in again.events("synced") if e["pid"] not in first_pids]
     assert {e["step"] for e in synced} == {previous["step"]} and {e["size"] for e in synced} == {2}
     assert again.world_sizes() == [2]
@@ -180,12 +185,12 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     newest = manifests(snapshots)[-1]
     assert newest["kind"] == "lightning"
     # Kept for plain DDP below (the relaunch prunes its directory to the last two).
-    kept = Path(shutil.copy(snapshots / f"snapshot-{newest['sequence']}.pt", job.dir / "kept.pt"))
+    kept = Path(shutil.copy(snapshots / data_name(newest), job.dir / "kept.pt"))
 
     again = relaunch(job, "again")
     lit.start(again, launch, step_delay=0.0)
     assert again.wait(180) == 0, again.stderr()[-3000:]
-    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % newest['sequence'])}" in again.stderr()
+    assert f"resumed from:  {snapshots / data_name(newest)}" in again.stderr()
     resumed = [e for e in again.events("synced") if e["pid"] not in first]
     assert {e["step"] for e in resumed} == {newest["step"]} and len(resumed) == 2
     # Mid-epoch: the relaunch ran only the steps after the snapshot; together with the
@@ -239,12 +244,12 @@ def test_a_killed_fabric_job_resumes_from_its_snapshot_with_no_change_to_its_loo
     first = pids_of(job)
     assert not [e for e in job.events("done") if e["pid"] in first], "the job ended before it was killed"
     newest = manifests(snapshots)[-1]
-    saved = le.load_snapshot(snapshots / f"snapshot-{newest['sequence']}.pt")  # checksum verified
+    saved = le.load_snapshot(snapshots / data_name(newest))  # checksum verified
 
     again = relaunch(job, "again")
     again.start(launch, command=command)
     assert again.wait(90) == 0, again.stderr()[-3000:]
-    assert f"resumed from:  {snapshots / ('snapshot-%d.pt' % newest['sequence'])}" in again.stderr()
+    assert f"resumed from:  {snapshots / data_name(newest)}" in again.stderr()
     synced = [e for e in again.events("synced") if e["pid"] not in first]
     assert {(e["step"], e["epoch"]) for e in synced} == {(newest["step"], newest["epoch"])} and len(synced) == 2
     # Both ranks resumed with the snapshot's parameters (the example's checksum of them).
@@ -291,7 +296,7 @@ def test_a_job_killed_whole_resumes_from_its_newest_snapshot_in_an_object_store(
                         found.append(json.loads(fs.cat_file(path)))
                     except (OSError, ValueError):
                         continue  # pruned since listed
-            return sorted(found, key=lambda m: m["sequence"])
+            return sorted(found, key=lambda m: (m["sequence"], m["step"]))
 
         def mid_epoch() -> dict | None:
             m = (stored() or [None])[-1]
@@ -313,7 +318,7 @@ def test_a_job_killed_whole_resumes_from_its_newest_snapshot_in_an_object_store(
         assert again.wait(90) == 0, again.stderr()[-3000:]
         err = again.stderr()
         resumed = [e for e in driver_events(job.dir / "logs") if e["kind"] == "resumed_from_snapshot"]
-        url = f"s3://bucket/job/snapshot-{newest['sequence']}.pt"
+        url = f"s3://bucket/job/{data_name(newest)}"
         assert [(e["sequence"], e["path"]) for e in resumed] == [(newest["sequence"], url)], (resumed, newest)
         assert f"resumed from:  {url}" in err
         synced = [e for e in again.events("synced") if e["pid"] not in before]
@@ -323,7 +328,71 @@ def test_a_job_killed_whole_resumes_from_its_newest_snapshot_in_an_object_store(
         assert " 0 failed" in line and int(re.findall(r"(\d+) written", line)[0]) >= 1, line
         # Pruned to the last two: older objects deleted, no temporary object left.
         names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("bucket/job", detail=False, refresh=True))
-        last = stored()[-1]["sequence"]
-        assert names == [f"snapshot-{n}.{ext}" for n in (last - 1, last) for ext in ("json", "pt")], names
+        kept = [data_name(m).removesuffix(".pt") for m in stored()[-2:]]
+        assert names == sorted(f"{name}.{ext}" for name in kept for ext in ("json", "pt")), names
     finally:
         server.stop()
+
+
+# ----- two writers, and what a killed one leaves (issue 34, points 6 and 7) ---------------------
+#
+# The example's --snapshot-gate holds the snapshot writes of rank 0 on 127.0.0.1 (its
+# writer thread waits while the gate file exists, its temporary file open and locked):
+# a write in progress for as long as the test needs, with real processes and signals.
+
+GATED = [*TRAIN[:-2], "--epochs", "4", "--snapshot-gate-on-host", "127.0.0.1"]
+
+
+def temporary_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(".tmp-snapshot-*"))
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_writer_of_another_pid(job: Job) -> None:
+    snapshots, gate = job.dir / "snapshots", job.dir / "gate"
+    gate.write_text("")
+    job.set_hosts(H1, H2)
+    job.start(["--host-discovery-script", str(job.discovery_script()), "-np", "2", "--min-np", "1",
+               "--snapshot-dir", str(snapshots), "--snapshot-every", "0.5", "--snapshot-keep", "1"],
+              [*GATED, "--snapshot-gate", str(gate), "--ballast-mb", "8"])
+    left = wait_for(lambda: temporary_files(snapshots) or job._ended(), 90, "rank 0's write to start")
+    assert isinstance(left, list) and not manifests(snapshots), job.stderr()[-3000:]
+    os.kill(job.worker_pid("127.0.0.1"), signal.SIGKILL)  # rank 0, mid-write: its temporary file stays
+    # The survivor, rank 0 of the next round, writes: it removes the dead writer's file first.
+    wait_for(lambda: manifests(snapshots) or job._ended(), 60, "the next rank 0's snapshot")
+    assert not set(left) & set(temporary_files(snapshots)), f"left by the killed writer: {left}"
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [2, 1]
+    names = sorted(p.name for p in snapshots.iterdir())
+    assert len(names) == 2 and not temporary_files(snapshots), names  # one snapshot (--snapshot-keep 1)
+
+
+def test_a_newer_snapshot_is_never_replaced_by_an_older_write_that_ends_after_it(job: Job) -> None:
+    from lightning_elastic.durable import files  # noqa: PLC0415 - the reader the driver resumes with
+
+    snapshots, gate = job.dir / "snapshots", job.dir / "gate"
+    gate.write_text("")
+    job.set_hosts(H1, H2)
+    job.start(["--host-discovery-script", str(job.discovery_script()), "--discovery-interval", "0.2",
+               "-np", "2", "--min-np", "1", "--snapshot-dir", str(snapshots), "--snapshot-every", "3",
+               "--snapshot-keep", "4"],
+              [*GATED, "--snapshot-gate", str(gate)])
+    assert wait_for(lambda: temporary_files(snapshots) or job._ended(), 90, "rank 0's write to start") is not True
+    older = job.worker_pid("127.0.0.1")
+    job.set_hosts(H2)  # rank 0 leaves (its write held); the other worker is rank 0 of round 2 and writes
+    wait_for(lambda: manifests(snapshots) or job._ended(), 60, "round 2's snapshot")
+    (newer,) = manifests(snapshots)
+    assert newer["round"] >= 2, newer
+    newer_manifest = snapshots / data_name(newer).replace(".pt", ".json")
+    newer_text = newer_manifest.read_text()
+    gate.unlink()  # the older write (round 1's commit) ends now, after the newer one
+    wait_for(lambda: not psutil.pid_exists(older) or psutil.Process(older).status() == psutil.STATUS_ZOMBIE,
+             60, "the leaving rank 0 to finish its write and exit")
+    # Both kept under names of their own; the newer one unchanged, and the one a resume takes.
+    assert newer_manifest.read_text() == newer_text
+    written = manifests(snapshots)
+    assert [m["round"] for m in written if m["step"] < newer["step"]] == [1], written
+    found = files.newest_valid(snapshots, pytest.fail)
+    assert found is not None and found.manifest.step >= newer["step"], (found, newer)
+    assert job.wait() == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [2, 1]
+    assert "0 failed" in next(x for x in job.stderr().splitlines() if x.strip().startswith("snapshots:"))

@@ -158,7 +158,7 @@ train(state)
 worker.snapshot_writer.wait(30)
 if phase == "write":
     fresh_model, fresh_optimizer = torch.nn.Linear(1, 1), torch.optim.SGD(model.parameters(), lr=0.1)
-    rest = fabric.load(directory + "/snapshot-1.pt", {"model": fresh_model, "optimizer": fresh_optimizer})
+    rest = fabric.load(directory + "/snapshot-1-step-3.pt", {"model": fresh_model, "optimizer": fresh_optimizer})
     out["loaded_equal"] = bool(torch.equal(fresh_model.weight, model.weight))
     out["rest"] = {k: v for k, v in rest.items() if k in ("epoch", "step", "sampler")}
 print(json.dumps(out))

@@ -252,6 +252,7 @@ ELSEWHERE = {
     53: "a second Slurm allocation joins: discovery and the membership plan",
     54: "--slurm outside an allocation: the CLI",
     58: "the driver stopped: liveness (test_liveness.py)",
+    62: "two snapshot writers of one job: the workers' snapshot writer (lightning_elastic/durable/)",
 }
 
 

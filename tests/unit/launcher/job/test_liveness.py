@@ -272,6 +272,7 @@ ELSEWHERE = {
     43: "driver SIGTERM, remote workers: the shell's shutdown and the supervisors",
     46: "no driver comes back: the worker's --driver-patience",
     54: "--slurm outside an allocation: the CLI",
+    62: "two snapshot writers of one job: the workers' snapshot writer (lightning_elastic/durable/)",
 }
 
 

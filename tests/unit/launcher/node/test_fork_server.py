@@ -452,3 +452,41 @@ def test_a_stalled_or_garbled_client_costs_the_server_a_bounded_wait_and_nothing
     finally:
         stalled.close()
         garbled.close()
+
+
+def test_a_child_that_has_not_made_its_session_yet_is_killed_by_its_pid():
+    # Issue 34, point 8: a worker forked for a client that died at once was signalled by
+    # process group alone; before its setsid it has none, and it ran on unsupervised.
+    from lightning_elastic.launcher.node.fork_server import _kill_group  # noqa: PLC0415
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # in our group, no session
+    try:
+        assert os.getpgid(child.pid) != child.pid
+        _kill_group(child.pid)
+        assert child.wait(BOUND) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait(BOUND)
+
+
+def test_a_child_in_its_own_session_is_killed_with_what_it_started(tmp_path):
+    from lightning_elastic.launcher.node.fork_server import _kill_group  # noqa: PLC0415
+
+    pid_file = tmp_path / "grandchild"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n")], start_new_session=True)
+    try:
+        deadline = time.monotonic() + BOUND
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        grandchild = psutil.Process(int(pid_file.read_text()))
+        _kill_group(child.pid)
+        assert child.wait(BOUND) == -signal.SIGKILL
+        grandchild.wait(BOUND)  # (reaped by init once its parent is gone)
+        assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
+    finally:
+        child.kill()
+        child.wait(BOUND)

@@ -74,8 +74,8 @@ def test_a_url_is_kept_as_a_url_and_a_path_stays_a_path(tmp_path):
     assert SnapshotSettings("memory://bucket/prefix/").directory == "memory://bucket/prefix"
     assert SnapshotSettings(str(tmp_path)).directory == tmp_path
     settings, chosen = snapshot_store.plan({files.ENV_DIR: "memory://b/p",
-                                            files.ENV_RESUME_FROM: "memory://b/p/snapshot-2.pt"})
-    assert settings is not None and settings.directory == "memory://b/p" and chosen == "memory://b/p/snapshot-2.pt"
+                                            files.ENV_RESUME_FROM: "memory://b/p/snapshot-2-step-2.pt"})
+    assert settings is not None and settings.directory == "memory://b/p" and chosen == "memory://b/p/snapshot-2-step-2.pt"
     assert isinstance(snapshot_fs.open_store(tmp_path), snapshot_fs.LocalStore)
     assert isinstance(snapshot_fs.open_store("memory://b/p"), snapshot_fs.FsspecStore)
 
@@ -84,48 +84,51 @@ def test_snapshots_are_objects_with_manifests_and_the_last_k_kept(url):
     writer = write(url, range(1, 5), keep=2)
     assert writer.stats == snapshot_store.WriterStats(written=4)
     # Pruning deleted the two oldest snapshots' objects; no temporary object anywhere.
-    assert names(url) == ["snapshot-3.json", "snapshot-3.pt", "snapshot-4.json", "snapshot-4.pt"]
-    manifest = json.loads(cat(url, "snapshot-4.json"))
-    assert manifest["step"] == 4 and manifest["job_id"] == "job-1" and manifest["size"] == len(cat(url, "snapshot-4.pt"))
-    assert manifest["sha256"] == files.file_sha256(f"{url}/snapshot-4.pt")
+    assert names(url) == ["snapshot-3-step-3.json", "snapshot-3-step-3.pt", "snapshot-4-step-4.json", "snapshot-4-step-4.pt"]
+    manifest = json.loads(cat(url, "snapshot-4-step-4.json"))
+    assert manifest["step"] == 4 and manifest["job_id"] == "job-1" and manifest["size"] == len(cat(url, "snapshot-4-step-4.pt"))
+    assert manifest["sha256"] == files.file_sha256(f"{url}/snapshot-4-step-4.pt")
     loaded = le.load_snapshot(url)  # the directory: its newest valid snapshot
     assert loaded["values"] == {"step": 4} and torch.equal(loaded["stateful"]["model"]["w"], torch.full((1000,), 4.0))
-    assert le.load_snapshot(f"{url}/snapshot-3.pt")["values"] == {"step": 3}
-    assert le.load_snapshot(f"{url}/snapshot-3.json")["values"] == {"step": 3}
+    assert le.load_snapshot(f"{url}/snapshot-3-step-3.pt")["values"] == {"step": 3}
+    assert le.load_snapshot(f"{url}/snapshot-3-step-3.json")["values"] == {"step": 3}
 
 
 def test_a_torn_newest_snapshot_falls_back_to_the_previous_with_a_warning(url):
     write(url, (1, 2, 3))
-    put(url, "snapshot-3.pt", cat(url, "snapshot-3.pt")[:100])  # an upload cut off
+    put(url, "snapshot-3-step-3.pt", cat(url, "snapshot-3-step-3.pt")[:100])  # an upload cut off
     warned: list[str] = []
     found = files.newest_valid(url, warned.append)
-    assert found is not None and found.manifest.step == 2 and found.path == f"{url}/snapshot-2.pt"
-    assert len(warned) == 1 and "snapshot-3.json" in warned[0] and "torn or truncated" in warned[0]
+    assert found is not None and found.manifest.step == 2 and found.path == f"{url}/snapshot-2-step-2.pt"
+    assert len(warned) == 1 and "snapshot-3-step-3.json" in warned[0] and "torn or truncated" in warned[0]
 
 
 def test_a_corrupt_object_of_the_right_size_fails_its_checksum(url):
     write(url, (1, 2, 3))
-    data = bytearray(cat(url, "snapshot-3.pt"))
+    data = bytearray(cat(url, "snapshot-3-step-3.pt"))
     data[len(data) // 2] ^= 0xFF
-    put(url, "snapshot-3.pt", bytes(data))
+    put(url, "snapshot-3-step-3.pt", bytes(data))
     with pytest.raises(SnapshotError, match="checksum mismatch"):
-        le.load_snapshot(f"{url}/snapshot-3.pt")
+        le.load_snapshot(f"{url}/snapshot-3-step-3.pt")
     assert le.load_snapshot(url)["values"] == {"step": 2}
 
 
 def test_a_data_object_without_its_manifest_is_no_snapshot(url):
     write(url, (1, 2, 3))
-    fsspec.filesystem("memory").rm_file(f"{url}/snapshot-3.json")  # the writer died before the manifest
+    fsspec.filesystem("memory").rm_file(f"{url}/snapshot-3-step-3.json")  # the writer died before the manifest
     warned: list[str] = []
     found = files.newest_valid(url, warned.append)
     assert found is not None and found.manifest.step == 2 and warned == []  # silently: it never existed
-    fsspec.filesystem("memory").rm_file(f"{url}/snapshot-2.pt")  # a manifest without its data
+    fsspec.filesystem("memory").rm_file(f"{url}/snapshot-2-step-2.pt")  # a manifest without its data
     found = files.newest_valid(url, warned.append)
-    assert found is not None and found.manifest.step == 1 and "snapshot-2.json" in warned[0]
-    # The next snapshot takes the number after the newest manifest: the orphan is overwritten.
-    assert files.next_sequence(url) == 3
-    write(url, (7,))
-    assert json.loads(cat(url, "snapshot-3.json"))["step"] == 7 and le.load_snapshot(url)["values"] == {"step": 7}
+    assert found is not None and found.manifest.step == 1 and "snapshot-2-step-2.json" in warned[0]
+    # The next snapshot takes the number after the orphan's (no name is used twice), and the
+    # orphan goes once it is older than every snapshot kept.
+    assert files.next_sequence(url) == 4
+    write(url, (7, 8, 9), keep=2)
+    assert names(url) == ["snapshot-5-step-8.json", "snapshot-5-step-8.pt", "snapshot-6-step-9.json",
+                          "snapshot-6-step-9.pt"]
+    assert le.load_snapshot(url)["values"] == {"step": 9}
 
 
 def test_a_write_that_fails_midway_leaves_no_object_and_training_goes_on(url, caplog):
@@ -144,17 +147,17 @@ def test_a_write_that_fails_midway_leaves_no_object_and_training_goes_on(url, ca
 
 def test_the_driver_picks_the_newest_valid_snapshot_of_the_store_for_its_workers(url, tmp_path, caplog):
     write(url, (1, 2, 3))
-    put(url, "snapshot-3.pt", b"torn")
+    put(url, "snapshot-3-step-3.pt", b"torn")
     events = EventLog(tmp_path / "logs")
     with caplog.at_level(logging.INFO, logger="lightning_elastic"):
         resume = snapshots.choose(SnapshotSettings(url), ("python", "train.py"), events)
     events.close()
     assert resume is not None and resume.found is not None and resume.found.manifest.step == 2
     assert resume.env[files.ENV_DIR] == url
-    assert resume.env[files.ENV_RESUME_FROM] == f"{url}/snapshot-2.pt"
-    assert "skipping snapshot snapshot-3.json" in caplog.text
+    assert resume.env[files.ENV_RESUME_FROM] == f"{url}/snapshot-2-step-2.pt"
+    assert "skipping snapshot snapshot-3-step-3.json" in caplog.text
     logged = [json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
-    assert [e["path"] for e in logged if e["kind"] == "resumed_from_snapshot"] == [f"{url}/snapshot-2.pt"]
+    assert [e["path"] for e in logged if e["kind"] == "resumed_from_snapshot"] == [f"{url}/snapshot-2-step-2.pt"]
     # A worker reads the same store: the driver's choice, as its environment hands it over.
     settings, chosen = snapshot_store.plan(resume.env)
     assert settings is not None
@@ -195,9 +198,9 @@ def test_a_file_url_goes_through_fsspec_to_a_real_directory(tmp_path):
     write(url, (1, 2, 3), keep=2)
     # fsspec's local file system made the directory; the objects are plain files there.
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [
-        "snapshot-2.json", "snapshot-2.pt", "snapshot-3.json", "snapshot-3.pt"]
+        "snapshot-2-step-2.json", "snapshot-2-step-2.pt", "snapshot-3-step-3.json", "snapshot-3-step-3.pt"]
     found = files.newest_valid(url, pytest.fail)
-    assert found is not None and found.path == f"{url}/snapshot-3.pt" and found.name == "snapshot-3.pt"
+    assert found is not None and found.path == f"{url}/snapshot-3-step-3.pt" and found.name == "snapshot-3-step-3.pt"
     assert le.load_snapshot(found.path)["values"] == {"step": 3}
     # The same snapshot read through the plain path (the local store) agrees.
     assert files.newest_valid(tmp_path / "snaps", pytest.fail).manifest == found.manifest

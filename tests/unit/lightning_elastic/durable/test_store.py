@@ -40,15 +40,15 @@ def test_the_newest_commits_are_written_with_manifests_and_the_last_k_kept(tmp_p
         assert writer.wait(10)
     assert writer.stats == snapshot_store.WriterStats(written=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "snapshot-3.json", "snapshot-3.pt", "snapshot-4.json", "snapshot-4.pt"]
-    manifest = json.loads((tmp_path / "snapshot-4.json").read_text())
+        "snapshot-3-step-3.json", "snapshot-3-step-3.pt", "snapshot-4-step-4.json", "snapshot-4-step-4.pt"]
+    manifest = json.loads((tmp_path / "snapshot-4-step-4.json").read_text())
     assert manifest["step"] == 4 and manifest["world_size"] == 2 and manifest["job_id"] == "job-1"
     assert manifest["sampler"] == {"epoch": 0, "consumed": 4}
-    assert manifest["sha256"] == files.file_sha256(tmp_path / "snapshot-4.pt")
+    assert manifest["sha256"] == files.file_sha256(tmp_path / "snapshot-4-step-4.pt")
     assert manifest["library"] == le.__version__ and manifest["torch"] == str(torch.__version__)
     loaded = le.load_snapshot(tmp_path)
     assert loaded["values"] == {"step": 4} and torch.equal(loaded["stateful"]["model"]["w"], torch.full((1000,), 4.0))
-    assert le.load_snapshot(tmp_path / "snapshot-3.pt")["values"] == {"step": 3}
+    assert le.load_snapshot(tmp_path / "snapshot-3-step-3.pt")["values"] == {"step": 3}
 
 
 def test_a_snapshot_is_due_only_every_period():
@@ -143,7 +143,7 @@ def test_a_full_file_system_fails_the_write_leaves_nothing_and_the_next_fits(tmp
             assert "Could not write a snapshot" in caplog.text
             snapshot.capture(tree(2, size=1000))  # training went on; a smaller state fits
             assert writer.offer(snapshot, info(2)) and writer.wait(10)
-        assert writer.stats.written == 1 and sorted(p.name for p in full.iterdir()) == ["snapshot-1.json", "snapshot-1.pt"]
+        assert writer.stats.written == 1 and sorted(p.name for p in full.iterdir()) == ["snapshot-1-step-2.json", "snapshot-1-step-2.pt"]
         assert le.load_snapshot(full)["values"] == {"step": 2}
     finally:
         subprocess.run(["umount", str(full)], check=False)
@@ -159,17 +159,17 @@ def write_three(directory) -> None:
 
 def test_a_truncated_newest_snapshot_falls_back_to_the_previous_with_a_warning(tmp_path):
     write_three(tmp_path)
-    newest = tmp_path / "snapshot-3.pt"
+    newest = tmp_path / "snapshot-3-step-3.pt"
     newest.write_bytes(newest.read_bytes()[:100])
     warned: list[str] = []
     found = files.newest_valid(tmp_path, warned.append)
     assert found is not None and found.manifest.step == 2
-    assert len(warned) == 1 and "snapshot-3.json" in warned[0] and "truncated" in warned[0]
+    assert len(warned) == 1 and "snapshot-3-step-3.json" in warned[0] and "truncated" in warned[0]
 
 
 def test_a_corrupt_snapshot_of_the_right_size_fails_its_checksum(tmp_path):
     write_three(tmp_path)
-    newest = tmp_path / "snapshot-3.pt"
+    newest = tmp_path / "snapshot-3-step-3.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
@@ -180,7 +180,7 @@ def test_a_corrupt_snapshot_of_the_right_size_fails_its_checksum(tmp_path):
 
 def test_a_manifest_of_a_newer_format_is_refused_in_one_line(tmp_path):
     write_three(tmp_path)
-    manifest = tmp_path / "snapshot-3.json"
+    manifest = tmp_path / "snapshot-3-step-3.json"
     data = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**data, "format": files.FORMAT + 1}))
     with pytest.raises(SnapshotError, match="snapshot format") as err:
@@ -192,7 +192,7 @@ def test_no_snapshot_is_one_line(tmp_path):
     with pytest.raises(SnapshotError, match="no valid snapshot"):
         le.load_snapshot(tmp_path)
     with pytest.raises(SnapshotError, match="no such snapshot"):
-        le.load_snapshot(tmp_path / "snapshot-9.pt")
+        le.load_snapshot(tmp_path / "snapshot-9-step-9.pt")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -207,9 +207,9 @@ def test_settings_are_validated(tmp_path, kwargs, message):
 
 def test_init_arguments_override_the_launchers_environment(tmp_path):
     environ = {files.ENV_DIR: str(tmp_path / "a"), files.ENV_EVERY: "5", files.ENV_KEEP: "3",
-               files.ENV_RESUME_FROM: str(tmp_path / "a" / "snapshot-1.pt")}
+               files.ENV_RESUME_FROM: str(tmp_path / "a" / "snapshot-1-step-1.pt")}
     settings, chosen = snapshot_store.plan(environ)
-    assert settings == SnapshotSettings(tmp_path / "a", 5.0, 3, True) and chosen == tmp_path / "a" / "snapshot-1.pt"
+    assert settings == SnapshotSettings(tmp_path / "a", 5.0, 3, True) and chosen == tmp_path / "a" / "snapshot-1-step-1.pt"
     settings, chosen = snapshot_store.plan(environ, every=1.5, resume=False)
     assert settings == SnapshotSettings(tmp_path / "a", 1.5, 3, False) and chosen is None
     settings, _ = snapshot_store.plan({}, directory=tmp_path / "b", keep=4)
@@ -241,7 +241,7 @@ def test_rank_0_writes_its_commits_and_a_new_job_resumes_from_them_with_the_rese
     state.step, state.epoch = 7, 1
     state.commit()
     assert worker.snapshot_writer.wait(10) and worker.snapshot_writer.stats.written == 1
-    manifest = json.loads((tmp_path / "snapshot-1.json").read_text())
+    manifest = json.loads((tmp_path / "snapshot-1-step-7.json").read_text())
     assert (manifest["step"], manifest["epoch"], manifest["world_size"]) == (7, 1, 3)
     saved = state.model.weight.detach().clone()
 
@@ -269,14 +269,14 @@ def test_resuming_from_a_snapshot_of_another_model_is_one_line_saying_how_to_sta
     make_state(worker).commit()
     assert worker.snapshot_writer.wait(10)
     fresh = FakeWorker(rank=0, size=1)
-    fresh.resume_from = ResumePlan(tmp_path / "snapshot-1.pt", tmp_path)
+    fresh.resume_from = ResumePlan(tmp_path / "snapshot-1-step-0.pt", tmp_path)
     other = le.TorchState(torch.nn.Linear(5, 2), worker=fresh, step=0)
     with pytest.raises(SnapshotError) as err:
         _StateRecovery(other, lambda: None).prepare(resumed=False)
     text = str(err.value)
     # The way out first: the driver's report of a worker's error keeps its first 500 characters.
     assert "\n" not in text and text.startswith(
-        f"{tmp_path / 'snapshot-1.pt'}: does not fit this state (another model?; to start over instead: --no-resume "
+        f"{tmp_path / 'snapshot-1-step-0.pt'}: does not fit this state (another model?; to start over instead: --no-resume "
         "(or resume=False), or another --snapshot-dir): ")
     assert "size mismatch" in text
 
@@ -304,7 +304,7 @@ def test_a_snapshot_of_another_model_is_one_line_and_keeps_the_state(tmp_path):
     before = [t.detach().clone() for t in other.model.parameters()]
     other.commit()
     with pytest.raises(SnapshotError, match="does not fit this state") as err:
-        other.load_tree(le.load_snapshot(tmp_path), "snapshot-1.pt")
+        other.load_tree(le.load_snapshot(tmp_path), "snapshot-1-step-1.pt")
     assert "\n" not in str(err.value) and "size mismatch" in str(err.value)
     assert all(torch.equal(a, b) for a, b in zip(other.model.parameters(), before))  # the bias fitted: undone
     with pytest.raises(SnapshotError, match="holds a Lightning checkpoint"):
@@ -335,14 +335,14 @@ def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path,
     from lightning_elastic.launcher.observe.events import EventLog
 
     write_three(tmp_path / "s")
-    (tmp_path / "s" / "snapshot-3.pt").write_bytes(b"torn")
+    (tmp_path / "s" / "snapshot-3-step-3.pt").write_bytes(b"torn")
     events = EventLog(tmp_path / "logs")
     with caplog.at_level(logging.INFO, logger="lightning_elastic"):
         resume = snapshots.choose(SnapshotSettings(tmp_path / "s"), ("python", "train.py"), events)
     events.close()
     assert resume is not None and resume.found is not None and resume.found.manifest.step == 2
-    assert resume.env[files.ENV_RESUME_FROM] == str(tmp_path / "s" / "snapshot-2.pt")
-    assert "skipping snapshot snapshot-3.json" in caplog.text
+    assert resume.env[files.ENV_RESUME_FROM] == str(tmp_path / "s" / "snapshot-2-step-2.pt")
+    assert "skipping snapshot snapshot-3-step-3.json" in caplog.text
     assert "another command" in caplog.text  # written by job-1, not by this command
     assert "was written by lightning-elastic" not in caplog.text  # this very version
     logged = [json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
@@ -356,14 +356,14 @@ def test_a_snapshot_of_another_version_or_format_is_said_in_one_line(tmp_path, c
     from lightning_elastic.launcher.observe.events import EventLog
 
     write_three(tmp_path)
-    newest, previous = tmp_path / "snapshot-3.json", tmp_path / "snapshot-2.json"
+    newest, previous = tmp_path / "snapshot-3-step-3.json", tmp_path / "snapshot-2-step-2.json"
     newest.write_text(json.dumps({**json.loads(newest.read_text()), "format": files.FORMAT + 1}))
     previous.write_text(json.dumps({**json.loads(previous.read_text()), "library": "0.0.1"}))
     with caplog.at_level(logging.INFO, logger="lightning_elastic"):
         resume = snapshots.choose(SnapshotSettings(tmp_path), ("python", "train.py"), EventLog(None))
     assert resume is not None and resume.found is not None and resume.found.manifest.step == 2
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    refused = [m for m in said if "snapshot-3.json" in m]
+    refused = [m for m in said if "snapshot-3-step-3.json" in m]
     older = [m for m in said if "written by lightning-elastic 0.0.1" in m]
     assert len(refused) == 1 and "snapshot format" in refused[0], said  # a newer format: skipped
     assert len(older) == 1 and f"this is {le.__version__}" in older[0], said  # an older version: resumed, said
@@ -371,7 +371,7 @@ def test_a_snapshot_of_another_version_or_format_is_said_in_one_line(tmp_path, c
 
 
 def test_a_failure_of_the_same_kind_is_said_once_whatever_file_it_names(tmp_path, caplog, monkeypatch):
-    def refuse(path, fill):
+    def refuse(path, fill, exclusive=False):
         raise OSError(30, "Read-only file system", str(path))
 
     monkeypatch.setattr(snapshot_fs, "write_atomically", refuse)  # what LocalStore writes with
@@ -386,4 +386,4 @@ def test_a_failure_of_the_same_kind_is_said_once_whatever_file_it_names(tmp_path
     monkeypatch.undo()
     snapshot.capture(tree(9))
     assert writer.offer(snapshot, info(9)) and writer.wait(10)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot-1.json", "snapshot-1.pt"]  # none used up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot-1-step-9.json", "snapshot-1-step-9.pt"]  # none used up
