@@ -200,7 +200,7 @@ def test_a_rolling_move_across_hosts_keeps_the_state(job: Job) -> None:
 def test_hosts_added_and_removed_repeatedly(job: Job) -> None:
     job.set_hosts(H1, H2)
     job.start(discovery_args(job, "-np", "2", "--min-np", "1", "--max-np", "3"),
-              [*STEADY, "--epochs", "12"])
+              [*STEADY, "--epochs", "24"])  # enough steps for four changes, each joiner's start included
     schedule = [(H1, H2, H3), (H1, H2), (H1, H2, H3), (H1, H2)]
     job.wait_rounds(1)
     for number, hosts in enumerate(schedule, start=2):
@@ -209,7 +209,7 @@ def test_hosts_added_and_removed_repeatedly(job: Job) -> None:
         job.wait_rounds(number)
     assert job.wait() == 0, job.stderr()[-3000:]
     assert job.world_sizes() == [2, 3, 2, 3, 2]
-    assert_epochs_complete(job, 12)
+    assert_epochs_complete(job, 24)
     assert_replicas_identical(job)
 
 
