@@ -272,6 +272,9 @@ ELSEWHERE = {
     43: "driver SIGTERM, remote workers: the shell's shutdown and the supervisors",
     46: "no driver comes back: the worker's --driver-patience",
     54: "--slurm outside an allocation: the CLI",
+    70: "workers that gave up on an absent driver: exit classification (test_exits.py) and the step",
+    71: "a full state dir: a start that fails is an exit (test_exits.py); the keeper's own exit",
+    72: "a driver failing while it takes the job over: the shell's shutdown (driver/lifecycle.py)",
 }
 
 
