@@ -18,7 +18,14 @@ from typing import Any
 
 from lightning_elastic import __version__
 from lightning_elastic.launcher.command import check_command, check_script, with_python
-from lightning_elastic.launcher.config import LaunchConfig, RaySettings, SlurmSettings, SshSettings, Timeouts
+from lightning_elastic.launcher.config import (
+    STATE_DIR_WITH_SLURM,
+    LaunchConfig,
+    RaySettings,
+    SlurmSettings,
+    SshSettings,
+    Timeouts,
+)
 from lightning_elastic.launcher.hosts.discovery import SCRIPT_TIMEOUT
 from lightning_elastic.launcher.driver.launch import launch
 from lightning_elastic.launcher.errors import ConfigError
@@ -318,6 +325,8 @@ def ray_settings(args: argparse.Namespace) -> RaySettings | None:
 
 
 def slurm_from_args(args: argparse.Namespace) -> SlurmSettings | None:
+    if args.slurm and args.state_dir is not None:  # said before the allocation is looked at
+        raise ConfigError(STATE_DIR_WITH_SLURM)
     if not args.slurm:
         if args.slurm_jobs is not None:
             raise ConfigError("--slurm-jobs: only with --slurm")

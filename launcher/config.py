@@ -14,6 +14,10 @@ from lightning_elastic.durable.files import SnapshotSettings
 
 # The longest a worker's question about an error is held by the driver (one long poll).
 MAX_LOST_MEMBER_WAIT = 60.0
+# Driver restart needs workers that outlive the driver: local ones (under keepers) or ssh
+# ones (under supervisors). An srun step ends with the driver's allocation step, so none.
+STATE_DIR_WITH_SLURM = ("--state-dir: not supported with --slurm (driver restart needs workers started here or "
+                        "over ssh: -H, --hostfile or --host-discovery-script)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +217,8 @@ class LaunchConfig:
             raise ConfigError(f"--state-dir: {self.state_dir} is a file, expected a directory")
         if self.state_dir is not None and self.ray is not None:
             raise ConfigError("--state-dir: not supported with --ray (Ray actors belong to the driver's job)")
+        if self.state_dir is not None and self.slurm is not None:
+            raise ConfigError(STATE_DIR_WITH_SLURM)
         if not (math.isfinite(self.driver_patience) and self.driver_patience > 0):
             raise ConfigError(f"--driver-patience: expected a positive number of seconds, got {self.driver_patience}")
         for name in self.preload:

@@ -18,3 +18,13 @@ class HostsUpdatedInterrupt(ElasticError):
 
 class RendezvousError(ElasticError):
     """The driver could not be reached, or no round was formed in time."""
+
+
+class DriverUnreachable(RendezvousError):
+    """The driver could not be reached for as long as this worker waits for one (2 x the
+    heartbeat timeout, or ``--driver-patience`` with ``--state-dir``): the worker exits
+    with ``protocol.EXIT_DRIVER_GONE``."""
+
+    def __init__(self, message: str, waited: float) -> None:
+        super().__init__(message)
+        self.waited = waited  # seconds the request was retried for

@@ -49,6 +49,11 @@ ENV_PREEMPTION_GRACE = "LIGHTNING_ELASTIC_PREEMPTION_GRACE"
 # --driver-patience, set with --state-dir: how long a worker waits for an unreachable driver
 # (a restarted one adopts it) before it exits. Unset: 2 x the heartbeat timeout, as without.
 ENV_DRIVER_PATIENCE = "LIGHTNING_ELASTIC_DRIVER_PATIENCE"
+# The exit status of a worker that gave up on an unreachable driver (its patience ran out):
+# EX_TEMPFAIL of sysexits.h. A restarted driver that adopts the job and finds a worker of
+# its predecessor ended so counts it as gone for the driver's absence, not as a failure of
+# its host (launcher/job/exits.py), and starts a new worker in its slot.
+EXIT_DRIVER_GONE = 75
 # With --state-dir: the file in it where the serving driver writes its URL (one line,
 # http://HOST:PORT). A worker that cannot reach its driver re-reads it: a restarted driver
 # may serve at another address (another machine; the state dir is on a shared filesystem).

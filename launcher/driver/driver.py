@@ -89,6 +89,9 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Executor):
         # --state-dir: the job's state kept for a restarted driver, and the job it adopts.
         self._keeping = keeping
         self._adopting = keeping is not None and keeping.previous is not None
+        # Until the loop starts, an adopting driver is still taking the job over: should it
+        # fail then, the job stays in the state dir for the next driver (lifecycle._shutdown).
+        self._taking_over = self._adopting
         self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
         self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
         self._save_pacing = adoption.SavePacing()
@@ -158,6 +161,7 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Executor):
             with self._registry.cond:
                 self._state.hosts.update(usable)
                 self._events.emit("hosts_changed", added=[h.host for h in usable], removed=[])
+            self._taking_over = False  # the job is this driver's now
             verdict = self._loop()
         except ConfigError as err:
             # Before any worker started nothing ran: an invalid input, said in one line. Later
@@ -171,9 +175,13 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Executor):
             else:
                 verdict = policy.Verdict(False, f"interrupted by {self._stop_signal}: stopped every worker")
         except Exception as err:  # noqa: BLE001 - crash-only: a bug of ours still ends in a verdict
-            log.exception("The driver failed; stopping every worker.")
-            verdict = policy.Verdict(False, f"the driver failed: {type(err).__name__}: {err} (a bug: the traceback "
-                                            "is above; please report it)")
+            if self._taking_over:  # _shutdown leaves the job as it was
+                log.exception("The driver failed while taking the job over; its workers are left running.")
+                verdict = policy.Verdict(False, self._take_over_failed_reason(err))
+            else:
+                log.exception("The driver failed; stopping every worker.")
+                verdict = policy.Verdict(False, f"the driver failed: {type(err).__name__}: {err} (a bug: the "
+                                                "traceback is above; please report it)")
         finally:
             self._shutdown()
         return self._result(verdict, refused)

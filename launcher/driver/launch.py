@@ -87,9 +87,9 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
             slurm_launcher.close()
     else:
         classifier = HostClassifier()
-        ssh = SshLauncher(config.ssh, sink, state_dir)
+        ssh = SshLauncher(config.ssh, sink, state_dir, secret=keeping.secret if keeping is not None else "")
         if keeping is not None:  # workers that outlive the driver, and finding them again
-            detached = DetachedLauncher(state_dir, sink)  # type: ignore[arg-type]
+            detached = DetachedLauncher(state_dir, sink, secret=keeping.secret)  # type: ignore[arg-type]
             local: WorkerLauncher = detached
 
             def adopt(record: WorkerRecord, prefix: Callable[[], str]) -> WorkerProcess:

@@ -85,6 +85,11 @@ class Lifecycle:
                 f"--state-dir {self._keeping.dir.path} adopts them (they wait --driver-patience "  # type: ignore[union-attr]
                 f"{self._config.driver_patience:g} s for it)")
 
+    def _take_over_failed_reason(self, err: BaseException) -> str:
+        return (f"the driver failed while taking over the job in --state-dir {self._keeping.dir.path}: "  # type: ignore[union-attr]
+                f"{type(err).__name__}: {err}; the job is left as it was (its state kept, its workers running "
+                f"for --driver-patience {self._config.driver_patience:g} s): start the same command again")
+
     def _hand_over(self) -> None:
         """Exit without touching a worker: the state saved (the writer flushed), every
         connection to a worker closed as a crash would close it, nothing signalled."""
@@ -113,9 +118,17 @@ class Lifecycle:
             self._state.closing = True  # a SIGTERM from stop_all below means "exit now"
             self._registry.wake_all()
         self._discovery.close()
-        if self._adopting and self._server is None:
-            # This driver could not take the job over (its port is taken, say): the workers
-            # wait for the next one, within their patience.
+        if self._taking_over:
+            # This driver could not take the job over (its port is taken, a worker's file is
+            # missing, the state dir cannot be written...): the job is left as it found it,
+            # the state and the secret in the state dir, every worker running (an ssh one's
+            # supervisor keeps it), for the next driver within the workers' patience.
+            if self._server is not None:
+                self._server.close()
+            for proc in self._processes.values():
+                detach = getattr(proc, "detach", None)
+                if detach is not None:
+                    detach()
             self._keeping.finish(job_over=False)  # type: ignore[union-attr]
             if self._exit_watcher is not None:
                 self._exit_watcher.close()
@@ -136,6 +149,8 @@ class Lifecycle:
     def _result(self, verdict: policy.Verdict, refused: bool = False) -> JobResult:
         if self._handed_over:  # the job goes on: the next driver's timeline continues this one
             self._events.emit("driver_handed_over", reason=verdict.reason)
+        elif self._taking_over and not refused:  # the job goes on too, without a driver for now
+            self._events.emit("driver_take_over_failed", reason=verdict.reason)
         else:
             self._events.emit("job_ended", success=verdict.success, reason=verdict.reason)
         self._events.close()

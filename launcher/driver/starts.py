@@ -13,7 +13,7 @@ from lightning_elastic import protocol as p
 from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.job.effects import Start
 from lightning_elastic.launcher.job.state import WorkerRecord, WorkerState
-from lightning_elastic.launcher.processes.base import WorkerProcess, WorkerSpec
+from lightning_elastic.launcher.processes.base import NotStarted, WorkerProcess, WorkerSpec
 
 log = logging.getLogger("lightning_elastic.driver")
 
@@ -113,9 +113,16 @@ class WorkerStarts:
         self._registry.cond.release()
         try:
             for item in pending:
-                if item.spec.log_file is not None:
-                    item.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-                started.append((item, self._launcher.start(item.spec, item.prefix)))
+                try:
+                    if item.spec.log_file is not None:
+                        item.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+                    proc: WorkerProcess = self._launcher.start(item.spec, item.prefix)
+                except OSError as err:
+                    # This machine's disk (--state-dir, --log-dir) failed this start: ENOSPC, EIO.
+                    # That slot's failure, reaped next turn; never the job's.
+                    where = f" ({err.filename})" if err.filename else ""
+                    proc = NotStarted(f"could not be started: {err.strerror or err}{where}")
+                started.append((item, proc))
                 self._turn(self._clock())  # busy, not away: minutes of starts are no pause
             for spec in prepares:  # after the workers: a fork server no worker waits for yet
                 self._prepare(spec)  # type: ignore[misc]  # (set whenever prepares are queued)
@@ -135,6 +142,8 @@ class WorkerStarts:
     def _started(self, record: WorkerRecord, proc: WorkerProcess) -> None:
         worker_id = record.worker_id
         self._processes[worker_id] = proc
+        if isinstance(proc, NotStarted):
+            return  # said as its failure when reaped
         log.info("Started worker %s%s.", worker_id, f" (pid {proc.pid})" if proc.pid else "")
         self._events.emit("worker_started", worker=worker_id, host=record.slot.host, pid=proc.pid)
         child = getattr(proc, "child_pid", None)  # test doubles may have none

@@ -26,6 +26,10 @@ class ExitKind(str, Enum):
     DONE = "done"  # reported that training returned, then exited 0
     LEFT = "left"  # left its round cleanly (its slot was removed, or a preemption notice)
     STOPPED = "stopped"  # told to leave or stopped by the driver, for a reason not its own
+    # Gave up on the driver: a worker of a previous driver that waited --driver-patience for
+    # one and exited (``protocol.EXIT_DRIVER_GONE``) before this driver adopted it. The
+    # driver's absence, not its host's fault: its slot gets a new worker.
+    DRIVER_GONE = "driver gone"
     FAILED = "failed"  # anything else: its slot (or host) pays for it
 
 
@@ -44,6 +48,9 @@ class ExitFacts:
     kill_reason: str = ""  # why the driver killed or stopped it, if it did
     in_round: bool = False  # a member of the current round
     finishing: bool = False  # training has returned in the current round
+    # Adopted from a previous driver and exited with protocol.EXIT_DRIVER_GONE: it waited for
+    # a driver for its whole --driver-patience (a status of this driver's own workers is theirs).
+    gave_up_on_driver: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,9 @@ def classify_exit(facts: ExitFacts) -> ExitVerdict:
         if f.status != 0:  # it left its round cleanly, then crashed on its way out: no round to break
             return ExitVerdict(ExitKind.FAILED, failure_text(f))
         return ExitVerdict(ExitKind.LEFT)
+    if f.gave_up_on_driver and not f.kill_reason and f.outcome != Outcome.DONE:
+        # No driver to wait for: not its failure, but its round lost it.
+        return ExitVerdict(ExitKind.DRIVER_GONE, break_round=f.in_round and not f.finishing)
     if f.leave and not f.departing and not f.kill_reason:
         # Told to leave (its slot was removed) or stopped by the driver: not a failure, but
         # a member that goes before it reaches the rendezvous is lost to its round.

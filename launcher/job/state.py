@@ -90,6 +90,9 @@ class WorkerRecord:
     keeper_pid: int = 0
     start_ticks: int = 0
     log_file: str = ""
+    # Started by a previous driver and adopted by this one (``--state-dir``): such a worker
+    # may have exited while no driver ran, giving up on it (``protocol.EXIT_DRIVER_GONE``).
+    adopted: bool = transient(default=False)
     # Its pending requests wait on this: fired when their answers may have changed.
     # (The service's ``Signal``, given by ``Registry.add_worker``: the core holds no threading.)
     wake: Any = dataclasses.field(default=None, repr=False, compare=False, metadata=TRANSIENT)
@@ -183,7 +186,9 @@ class JobState:
     # An adopting driver's only: the (round, generation) its predecessor may have announced
     # unsaved; once a worker shows it knows more, the next ones are numbered past them.
     reserved: tuple[int, int] | None = transient(default=None)
-    round_floor: int = transient(default=0)
+    # The next round is numbered past this (a predecessor's unsaved rounds; a round every
+    # member of which left while no driver ran, ``job/step.py``).
+    round_floor: int = 0
     closing: bool = transient(default=False)  # the driver is shutting down: no graceful leaves any more
     # Workers with a round-lost request pending (the service's).
     asking: set[str] = transient(default_factory=set)

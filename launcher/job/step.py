@@ -30,6 +30,7 @@ from lightning_elastic.launcher.job.exits import ExitFacts, ExitKind, classify_e
 from lightning_elastic.launcher.job.rules import Rules
 from lightning_elastic.launcher.job.slots import HostSlots
 from lightning_elastic.launcher.job.state import JobState, WorkerRecord, WorkerState
+from lightning_elastic.protocol import EXIT_DRIVER_GONE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,8 @@ def _apply_exit(state: JobState, record: WorkerRecord, exited: Exited, now: floa
     verdict = classify_exit(ExitFacts(
         record.worker_id, status, exited.detail, report.outcome if report else None,
         report.message if report else "", record.joined, record.leave, record.departing,
-        record.kill_reason, state.current_member(record), finishing))
+        record.kill_reason, state.current_member(record), finishing,
+        gave_up_on_driver=record.adopted and status == EXIT_DRIVER_GONE))
     worker, host = record.worker_id, record.slot.host
     if verdict.kind is ExitKind.DONE:
         record.state = WorkerState.DONE
@@ -155,6 +157,15 @@ def _apply_exit(state: JobState, record: WorkerRecord, exited: Exited, now: floa
         else:
             fx.info("Worker %s left the job (exit status %d).", worker, status)
             fx.emit("worker_left", worker=worker, host=host, reason="removed from the job")
+    elif verdict.kind is ExitKind.DRIVER_GONE:
+        record.state = WorkerState.REMOVED
+        fx.info("Worker %s left the job while no driver ran (it waited --driver-patience for one, exit status "
+                "%d): not a failure; its slot gets a new worker.", worker, status)
+        fx.emit("worker_left", worker=worker, host=host, reason="no driver for its --driver-patience")
+        if verdict.break_round and state.round is not None:
+            rounds.mark_round_broken(state, state.round.number, f"worker {worker} left while no driver ran", fx,
+                                     repeated_error_limit=rules.config.repeated_error_limit)
+        _start_afresh_if_every_member_gone(state, fx)
     elif verdict.kind is ExitKind.STOPPED:
         record.state = WorkerState.REMOVED
         fx.info("Worker %s left the job (exit status %d).", worker, status)
@@ -168,6 +179,24 @@ def _apply_exit(state: JobState, record: WorkerRecord, exited: Exited, now: floa
     if finishing and state.first_exit is None:
         state.first_exit = (now, worker)
     fx.wake(worker)  # its requests still waiting must end
+
+
+def _start_afresh_if_every_member_gone(state: JobState, fx: Effects) -> None:
+    """Every member of the current round has ended, one at least for want of a driver (the
+    driver came back after their --driver-patience): the state they held is gone with them,
+    through no fault of theirs or their hosts'. The job starts afresh on the same slots, as
+    a new launch would (from the newest snapshot of --snapshot-dir, when there is one): the
+    next round is a first round, numbered past the last."""
+    current = state.round
+    if current is None:
+        return
+    if any((w := state.workers.get(m)) is not None and not w.state.finished for m in current.members):
+        return
+    state.round_floor = max(state.round_floor, current.number)
+    state.round = None
+    fx.warning("Every member of round %d has left while no driver ran: starting afresh on the same slots "
+               "(from the newest snapshot of --snapshot-dir, if there is one).", current.number)
+    fx.emit("job_restarted_afresh", round=current.number)
 
 
 def _fail(state: JobState, record: WorkerRecord, text: str, break_round: bool, blacklist: bool, host_failed: bool,

@@ -60,9 +60,9 @@ def _parse_start(line: bytes) -> dict[str, Any]:
         raise ValueError(f"start message: expected a JSON object, got {type(message).__name__}")
     if "attach" in message:
         attach = message["attach"]
-        kinds = {"dir": str, "name": str, "pid": int, "ticks": int, "offset": int}
+        kinds = {"dir": str, "name": str, "pid": int, "ticks": int, "offset": int, "mark": str}
         if not isinstance(attach, dict) or any(not isinstance(attach.get(k), t) for k, t in kinds.items()):
-            raise ValueError("start message: 'attach' must give dir, name, pid, ticks and offset")
+            raise ValueError("start message: 'attach' must give dir, name, pid, ticks, offset and mark")
         return message
     expected = {"command": list, "env": dict, "cwd": str, "secret": str, "secret_fd_variable": str}
     for key, kind in expected.items():
@@ -143,7 +143,13 @@ def _relay(start: dict[str, Any], stdin: Any) -> int:
     output file and the driver's signals until it ends or the connection does."""
     from pathlib import Path  # noqa: PLC0415
 
-    from lightning_elastic.launcher.processes.detached import KEEPER, FollowFile, is_running, process_start  # noqa: PLC0415
+    from lightning_elastic.launcher.processes.detached import (  # noqa: PLC0415
+        KEEPER,
+        FollowFile,
+        is_keeper,
+        is_running,
+        process_start,
+    )
 
     where = start.get("attach") or start["detach"]
     directory = Path(where["dir"])
@@ -154,21 +160,25 @@ def _relay(start: dict[str, Any], stdin: Any) -> int:
         if not (is_running(pid, ticks) or status_path.exists()):
             _say("exit -9")  # gone without a status: killed, as its keeper was
             return 0
+        if is_running(pid, ticks) and not is_keeper(pid, ticks, where["mark"]):
+            _say("exit -9")  # not this job's keeper (a pid and start time prove nothing): never signalled
+            return 0
     else:
         env = {**os.environ, **start["env"]}
         if "MASTER_ADDR" in env:
             env.update(collective_interface_env(env, env["MASTER_ADDR"]))
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             status_path.unlink(missing_ok=True)
-            out_fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            out_fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as err:
             _say(f"error cannot use {directory}: {err}")
             return 2
         try:
             offset = os.fstat(out_fd).st_size
             fd_variable = start["secret_fd_variable"]
-            keeper = [sys.executable, "-I", str(KEEPER), str(status_path), fd_variable, "--", *start["command"]]
+            keeper = [sys.executable, "-I", str(KEEPER), str(status_path), fd_variable, str(where.get("mark", "-")),
+                      "--", *start["command"]]
             child = spawn_worker(keeper, env, start["secret"], start["cwd"], out_fd, fd_variable, die_with_parent=False)
         except OSError as err:
             _say(f"error cannot start {start['command'][0]!r}: {err}")

@@ -74,6 +74,33 @@ class WorkerProcess(Protocol):
         ...
 
 
+class NotStarted:
+    """A worker whose start failed on this machine's side (its file in ``--state-dir`` or
+    ``--log-dir`` could not be created: a full disk, an I/O error): reaped at the next turn
+    as a worker lost with ``reason``, so that its slot pays for it, not the job."""
+
+    pid = 0
+    child_pid = None
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def poll(self) -> int | None:
+        return 127  # as a shell says of a command it could not run
+
+    def signal(self, sig: int) -> None:
+        pass
+
+    def wait(self, timeout: float) -> int | None:
+        return self.poll()
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        pass
+
+    def exit_detail(self) -> str:
+        return self._reason
+
+
 class WorkerLauncher(Protocol):
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> WorkerProcess:
         """Start the worker; ``prefix()`` is read for every output line (the rank can change).

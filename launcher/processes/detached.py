@@ -15,6 +15,9 @@ cannot be read otherwise.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import logging
 import os
 import shutil
 import signal
@@ -33,6 +36,8 @@ from lightning_elastic.launcher.processes.output import LineForwarder, OutputSin
 from lightning_elastic.launcher.node.spawn import signal_group, spawn_worker
 from lightning_elastic.launcher.restart.state_dir import StateDir
 from lightning_elastic.protocol import ENV_SECRET_FD
+
+log = logging.getLogger("lightning_elastic.driver")
 
 KEEPER = Path(__file__).resolve().parent.parent / "node" / "keeper.py"
 FOLLOW_POLL = 0.1  # seconds between looks at a worker's output file with nothing new
@@ -55,6 +60,30 @@ def is_running(pid: int, ticks: int) -> bool:
     return found is not None and found[1] == ticks and found[0] not in ("Z", "X")
 
 
+def keeper_mark(secret: str, worker_id: str) -> str:
+    """What the keeper of this job's worker ``worker_id`` carries on its command line.
+
+    A pid and its start time are anyone's to read (/proc), so a state naming them proves
+    nothing: a restarted driver adopts a process only if it is a keeper (``KEEPER``) whose
+    command line carries this mark, which only a holder of the job's secret can compute
+    (the secret itself never reaches a command line)."""
+    digest = hmac.new(secret.encode(), f"lightning-elastic keeper {worker_id}".encode(), hashlib.sha256)
+    return f"job-{digest.hexdigest()[:32]}"
+
+
+def is_keeper(pid: int, ticks: int, mark: str) -> bool:
+    """Is ``pid`` (started at ``ticks``) still running, and this job's keeper of the worker
+    whose ``keeper_mark`` is ``mark``?"""
+    if not is_running(pid, ticks):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return str(KEEPER).encode() in argv and mark.encode() in argv
+
+
 class FollowFile:
     """A growing file read like a pipe (``read1``): at its end it waits for more until
     ``ended()``, then returns what is left and EOF.
@@ -67,7 +96,7 @@ class FollowFile:
     def __init__(self, path: Path, offset_path: Path | None, ended: Callable[[], bool], offset: int = 0) -> None:
         self._fd = os.open(path, os.O_RDONLY)
         # None: the reader keeps the offset (the ssh supervisor: its driver counts what arrives).
-        self._offset_fd = os.open(offset_path, os.O_RDWR | os.O_CREAT, 0o644) if offset_path else -1
+        self._offset_fd = os.open(offset_path, os.O_RDWR | os.O_CREAT, 0o600) if offset_path else -1
         self._offset = offset
         self._handed = offset
         self._ended = ended
@@ -221,9 +250,10 @@ class LostProcess:
 class DetachedLauncher:
     """Starts local workers under keepers, their output in the state dir (see the module)."""
 
-    def __init__(self, state_dir: StateDir, out: OutputSink | None = None) -> None:
+    def __init__(self, state_dir: StateDir, out: OutputSink | None = None, secret: str = "") -> None:
         self._dir = state_dir
         self._sink = as_sink(out)
+        self._secret = secret  # the job's: what its keepers' marks are made from (``keeper_mark``)
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> DetachedProcess:
         env = {**os.environ, **spec.env}
@@ -236,10 +266,12 @@ class DetachedLauncher:
         output, status = self._dir.worker_file(spec.worker_id, "log"), self._dir.worker_file(spec.worker_id, "status")
         with contextlib.suppress(FileNotFoundError):
             status.unlink()
-        out_fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        out_fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # its output: this user's alone
         try:
+            os.fchmod(out_fd, 0o600)  # (a file of an older version may be 0644)
             offset = os.fstat(out_fd).st_size
-            command = (sys.executable, "-I", str(KEEPER), str(status), ENV_SECRET_FD, "--", *spec.command)
+            command = (sys.executable, "-I", str(KEEPER), str(status), ENV_SECRET_FD,
+                       keeper_mark(spec.secret, spec.worker_id), "--", *spec.command)
             popen = spawn_worker(command, env, spec.secret, spec.cwd, out_fd, ENV_SECRET_FD, die_with_parent=False)
         except OSError as err:
             raise StartError(f"COMMAND: {program}: {err.strerror or err}") from None
@@ -255,6 +287,11 @@ class DetachedLauncher:
         status = self._dir.worker_file(record.worker_id, "status")
         pid, ticks = record.keeper_pid, record.start_ticks
         if pid <= 0 or not (is_running(pid, ticks) or status.exists()):
+            return LostProcess()
+        if is_running(pid, ticks) and not is_keeper(pid, ticks, keeper_mark(self._secret, record.worker_id)):
+            # Its pid and start time match, which anyone can read: not proof enough to signal it.
+            log.warning("--state-dir: process %d is not the keeper of worker %s of this job (its command line lacks "
+                        "the job's mark): not adopted, never signalled.", pid, record.worker_id)
             return LostProcess()
         log_file = Path(record.log_file) if record.log_file else None
         proc = DetachedProcess(pid, ticks, status, log_file=log_file)

@@ -31,7 +31,7 @@ from typing import IO, Any
 from lightning_elastic.launcher.config import SshSettings
 from lightning_elastic.launcher.job.state import WorkerRecord
 from lightning_elastic.launcher.processes.base import WorkerSpec
-from lightning_elastic.launcher.processes.detached import CountingStream, read_offset
+from lightning_elastic.launcher.processes.detached import CountingStream, keeper_mark, read_offset
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.node.spawn import start_supervisor_client
 from lightning_elastic.launcher.node.supervisor import MARK
@@ -86,19 +86,21 @@ def remote_command(cwd: str, python: str = sys.executable) -> str:
 
 class SshLauncher:
     def __init__(self, settings: SshSettings, out: IO[str] | OutputSink | None = None,
-                 state_dir: StateDir | None = None) -> None:
+                 state_dir: StateDir | None = None, secret: str = "") -> None:
         self._settings = settings
         self._sink = as_sink(out)  # one for all its workers: a broken stdout is reported once
         # --state-dir: workers outlive the connection (see supervisor.py), their files in
         # the same path on their host, under remote/ (the hosts may share this directory).
         self._state_dir = state_dir
+        self._secret = secret  # the job's, for its keepers' marks (detached.keeper_mark)
 
     def start(self, spec: WorkerSpec, prefix: Callable[[], str]) -> SshProcess:
         env = {k: os.environ[k] for k in FORWARDED_BY_DEFAULT if k in os.environ}
         env.update(spec.env)
         start = start_message(spec, env)
         if self._state_dir is not None:
-            start["detach"] = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(spec.worker_id)}
+            start["detach"] = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(spec.worker_id),
+                               "mark": keeper_mark(spec.secret, spec.worker_id)}
         return self._connect(spec.host, spec.cwd, spec.worker_id, start, prefix, spec.log_file, None)
 
     def adopt(self, record: WorkerRecord, prefix: Callable[[], str]) -> SshProcess:
@@ -106,7 +108,8 @@ class SshLauncher:
         assert self._state_dir is not None
         offset = read_offset(self._state_dir.worker_file(record.worker_id, "offset"))
         attach = {"dir": str(self._state_dir.path / "remote"), "name": safe_name(record.worker_id),
-                  "pid": record.keeper_pid, "ticks": record.start_ticks, "offset": offset}
+                  "pid": record.keeper_pid, "ticks": record.start_ticks, "offset": offset,
+                  "mark": keeper_mark(self._secret, record.worker_id)}
         log_file = Path(record.log_file) if record.log_file else None
         process = self._connect(record.slot.host, os.getcwd(), record.worker_id, {"attach": attach}, prefix,
                                 log_file, offset)

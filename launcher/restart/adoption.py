@@ -77,7 +77,7 @@ def restore(saved: JobState, registry: Registry, adopt: Adopt,
         setattr(job, name, getattr(saved, name))
     job.hosts.use(job.blacklist)
     current = job.round
-    job.reserved = ((current.number if current is not None else 0) + RESERVED_CHANGES,
+    job.reserved = (max(current.number if current is not None else 0, job.round_floor) + RESERVED_CHANGES,
                     job.generation + RESERVED_CHANGES)
     job.tally.next_worker += reserved_workers(len(job.workers), len(job.target))
     processes: dict[str, WorkerProcess] = {}
@@ -87,6 +87,7 @@ def restore(saved: JobState, registry: Registry, adopt: Adopt,
         record.started_at = now
         record.last_heartbeat = now if record.joined else None  # else it has its start-up bound
         record.reported_at = now if record.report is not None else None
+        record.adopted = True
         if record.state.finished:
             continue  # reaped already: no process to find
         if not job.current_member(record):

@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ def safe_name(worker_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", worker_id)
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Replace ``path`` with ``data`` so that a reader (or a crash) sees the old or the new whole."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -67,6 +68,23 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
+def check_owner(path: Path) -> None:
+    """ConfigError unless ``path`` is a directory of this user that no one else can write.
+
+    The directory holds the job's secret and the pids the driver signals: one that another
+    local user created (under /tmp, say) could hold a secret they know and a state naming
+    any of this user's processes. So it must be this user's, writable by this user alone
+    (a new one is created with mode 0700; logs and files in it are 0600)."""
+    st = os.stat(path)
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ConfigError(f"--state-dir: {path} is owned by uid {st.st_uid}, not by this user (uid {me}): expected "
+                          "a directory of your own (a new one is created with mode 0700)")
+    if st.st_mode & 0o022:
+        raise ConfigError(f"--state-dir: {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+                          f"expected a directory only its owner can write (chmod 700 {path})")
+
+
 class StateDir:
     """The files of one ``--state-dir``; ``lock()`` first, ``release()`` at the very end."""
 
@@ -76,10 +94,14 @@ class StateDir:
         self._lock_fd: int | None = None
 
     def lock(self) -> None:
-        """Take the directory for this driver; ConfigError when another driver holds it."""
+        """Take the directory for this driver; ConfigError when another driver holds it, or
+        when it is not this user's alone (``check_owner``)."""
         try:
-            self.workers.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_owner(self.path)
+            self.workers.mkdir(mode=0o700, exist_ok=True)
+            check_owner(self.workers)
+            fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
             raise ConfigError(f"--state-dir: cannot use {self.path}: {err.strerror or err}") from None
         try:
@@ -145,7 +167,7 @@ class StateDir:
         try:
             os.utime(path)
         except FileNotFoundError:
-            path.touch()
+            path.touch(mode=0o600)
 
     def last_alive(self) -> float | None:
         try:

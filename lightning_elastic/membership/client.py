@@ -6,15 +6,17 @@ Requests are signed and replies verified with the job's secret (``protocol.sign_
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 import time
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import requests
 
 from lightning_elastic import protocol as p
 from lightning_elastic.membership.driver_locator import DriverLocator
-from lightning_elastic.errors import RendezvousError
+from lightning_elastic.errors import DriverUnreachable, RendezvousError
 
 T = TypeVar("T")
 
@@ -60,6 +62,16 @@ def heartbeat_hold(interval: float, first: bool, rng: random.Random | None = Non
     to 100 % of it, so that polls all answered at once on a change drift apart again."""
     low = 0.0 if first else 1.0 - HEARTBEAT_HOLD_JITTER
     return interval * (rng or _RANDOM).uniform(low, 1.0)
+
+
+def exit_driver_gone(waited: float) -> NoReturn:
+    """End this worker because its driver stayed unreachable for ``waited`` seconds, with
+    the status that says so (``protocol.EXIT_DRIVER_GONE``): a restarted driver counts it
+    as gone for its own absence, not as a failure. ``os._exit``: no driver is left to tell,
+    and the training thread may be blocked in a collective."""
+    print(f"lightning-elastic: driver unreachable for {waited:g} s: exiting", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(p.EXIT_DRIVER_GONE)
 
 
 def driver_is_busy(err: requests.RequestException) -> bool:
@@ -151,6 +163,9 @@ class DriverClient:
                 if not busy:  # gone: a restarted driver may have said where it serves now
                     self._locator.refresh()
                 if retry_for <= 0 or (not busy and time.monotonic() >= deadline):
+                    # A patient request that waited it out: the driver is gone, not one request.
+                    if retry_for > 0 and patient:
+                        raise DriverUnreachable(f"driver at {url} unreachable: {err}", retry_for) from None
                     raise RendezvousError(f"driver at {url} unreachable: {err}") from None
                 time.sleep(backoff(attempt))
                 attempt += 1

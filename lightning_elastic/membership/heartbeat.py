@@ -8,7 +8,9 @@ round has its group's connections cut (gloo) or its communicator aborted (NCCL),
 collective waiting for the lost member raises now instead of at the group's timeout.
 
 The thread never raises into the training thread: what it cannot mend it ends with
-``os._exit(1)`` and one line on stderr (docs/troubleshooting.md has a row for each).
+``os._exit(1)`` and one line on stderr (docs/troubleshooting.md has a row for each); a
+driver unreachable for longer than this worker waits ends it with
+``protocol.EXIT_DRIVER_GONE``, which a restarted driver does not count as a failure.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ import time
 
 from lightning_elastic.errors import RendezvousError
 from lightning_elastic.membership import group_sockets
-from lightning_elastic.membership.client import RETRY_FOR, DriverClient, heartbeat_hold, heartbeat_retry_delay
+from lightning_elastic.membership.client import (
+    RETRY_FOR,
+    DriverClient,
+    exit_driver_gone,
+    heartbeat_hold,
+    heartbeat_retry_delay,
+)
 from lightning_elastic.membership.process_group import destroy_round_group
 from lightning_elastic.membership.settings import WorkerSettings
 from lightning_elastic.membership.shared import NO_GROUP, SharedState
@@ -76,9 +84,7 @@ class Heartbeat:
                 # a restarted driver adopts this worker within the patience.
                 lost_after = self.settings.driver_lost_after
                 if time.monotonic() - last_ok > lost_after:
-                    print(f"lightning-elastic: driver unreachable for {lost_after:g} s: exiting",
-                          file=sys.stderr, flush=True)
-                    os._exit(1)
+                    exit_driver_gone(lost_after)  # status EXIT_DRIVER_GONE: gone for the driver's absence
                 self._stop.wait(heartbeat_retry_delay(interval, failures))
                 failures += 1
                 continue

@@ -25,7 +25,8 @@ from typing import Generic, Protocol, TypeVar
 import torch.distributed as dist
 
 from lightning_elastic import protocol as p
-from lightning_elastic.errors import CollectiveError, HostsUpdatedInterrupt, RendezvousError
+from lightning_elastic.errors import CollectiveError, DriverUnreachable, HostsUpdatedInterrupt, RendezvousError
+from lightning_elastic.membership.client import exit_driver_gone
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +104,15 @@ class RetryEngine(Generic[R]):
                 recovery.keep_live_state()
                 resumed = True
                 continue
+            except DriverUnreachable as err:
+                exit_driver_gone(err.waited)  # as the heartbeat thread would: not a failure of this worker
             except RendezvousError:
-                raise  # the driver is gone or gave up on this worker: nothing to retry with
+                raise  # the driver gave up on this worker: nothing to retry with
             except Exception as err:
-                decision = worker.classify_error(describe_error(err), is_collective_error(err))
+                try:
+                    decision = worker.classify_error(describe_error(err), is_collective_error(err))
+                except DriverUnreachable as gone:  # asked the driver about the error: it is gone
+                    exit_driver_gone(gone.waited)
                 if not decision.lost:
                     message = describe_error(err)
                     if decision.reason:

@@ -227,6 +227,28 @@ def state_dir_is_a_file(d: Path):
         "--state-dir: {path} is a file, expected a directory", {"path": d / "state"})
 
 
+def state_dir_of_another_user(d: Path):
+    (d / "state").mkdir(mode=0o700)
+    os.chown(d / "state", 65534, 65534)  # nobody's (the tests run as root, which may chown)
+    return ["launch", "--state-dir", str(d / "state"), PYTHON, "-c", "pass"], {}, Line(
+        "--state-dir: {path} is owned by uid {uid}, not by this user (uid {me}): expected a directory of your own "
+        "(a new one is created with mode 0700)", {"path": d / "state", "uid": 65534, "me": os.geteuid()})
+
+
+def state_dir_writable_by_others(d: Path):
+    (d / "state").mkdir()
+    (d / "state").chmod(0o777)  # as a directory made in /tmp for everyone
+    return ["launch", "--state-dir", str(d / "state"), PYTHON, "-c", "pass"], {}, Line(
+        "--state-dir: {path} is writable by group or others (mode {mode}): expected a directory only its owner "
+        "can write (chmod 700 {path})", {"path": d / "state", "mode": 777})
+
+
+def state_dir_with_slurm(d: Path):
+    return ["launch", "--slurm", "-np", "2", "--state-dir", str(d / "state"), PYTHON, "-c", "pass"], {}, Line(
+        "--state-dir: not supported with --slurm (driver restart needs workers started here or over ssh: -H, "
+        "--hostfile or --host-discovery-script)", {})
+
+
 def driver_patience_not_positive(d: Path):
     return ["launch", "--driver-patience", "0", PYTHON, "-c", "pass"], {}, Line(
         "--driver-patience: expected a positive number of seconds, got {value}", {"value": 0.0})
@@ -340,7 +362,9 @@ INVALID: list[Case] = [
     command_not_on_path, command_here_but_not_on_path, command_file_missing, py_command_missing,
     command_not_executable, command_is_a_directory, command_name_too_long, py_command_name_too_long,
     command_in_a_symlink_loop, command_under_an_unsearchable_directory, log_dir_is_a_file, log_dir_under_a_file,
-    state_dir_is_a_file, driver_patience_not_positive, driver_address_foreign, driver_address_not_ipv4, network_interface_unknown, discovery_script_is_a_directory,
+    state_dir_is_a_file, state_dir_of_another_user, state_dir_writable_by_others, state_dir_with_slurm,
+    driver_patience_not_positive, driver_address_foreign, driver_address_not_ipv4, network_interface_unknown,
+    discovery_script_is_a_directory,
     hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
     discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,
     slurm_outside_an_allocation, only_host_does_not_resolve, preload_not_a_module_name, preload_with_state_dir,

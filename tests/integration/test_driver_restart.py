@@ -6,13 +6,18 @@ started again with the same command, as systemd or a Kubernetes Deployment would
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import signal
 import socket
+import stat
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from tests.integration.harness import Job, assert_epochs_complete, assert_replicas_identical, wait_for
@@ -281,3 +286,184 @@ def test_a_driver_restarted_on_another_machine_is_found_through_the_shared_state
         out[-3000:]
     assert f"//{address}:" not in first_url  # it did come back elsewhere
     assert_epochs_complete(job, 4)
+
+
+# ----- issue 34: the state dir trusted, a late driver, a full disk, a failed take-over ------
+
+
+def _keepers(job: Job) -> list[psutil.Process]:
+    """The job's keepers (processes/detached.py), each the leader of its worker's group."""
+    return [p for p in job.stray_processes() if "keeper.py" in " ".join(p.cmdline())]
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_forged_state_naming_another_process_is_not_adopted(job: Job) -> None:
+    """Issue 34, point 2: a pid and its start time are anyone's to read (/proc). A state that
+    names a process of this user that is not this job's keeper (here a `sleep`) must not make
+    the driver adopt it, and so never signal it; and the directory, its logs and its state
+    are this user's alone."""
+    job.set_hosts(H1, H2)
+    args = restart_args(job, "-np", "2", "--heartbeat-timeout", "2")
+    job.start(args, [*STEADY, "--epochs", "50"])
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    state = job.dir / "state"
+    wait_for(lambda: (state / "state.json").exists(), 10, "the state to be saved")
+    assert _mode(state) == 0o700
+    assert {_mode(p) for p in [*(state / "workers").glob("*.log"), state / "state.json", state / "secret"]} == {0o600}
+    kill_driver(job)
+    for keeper in _keepers(job):  # the real workers gone, with no status (as a reboot leaves them)
+        os.killpg(keeper.pid, signal.SIGKILL)
+    wait_for(lambda: not job.stray_processes(), 10, "the workers to die")
+    bystander = subprocess.Popen(["sleep", "600"])  # a process of this user, nothing of the job's
+    try:
+        with open(f"/proc/{bystander.pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        saved = json.loads((state / "state.json").read_text())
+        forged = 0
+
+        def forge(value):
+            nonlocal forged
+            if isinstance(value, dict):
+                if value.get("keeper_pid"):
+                    value["keeper_pid"], value["start_ticks"] = bystander.pid, ticks
+                    forged += 1
+                for v in value.values():
+                    forge(v)
+            elif isinstance(value, list):
+                for v in value:
+                    forge(v)
+
+        forge(saved)
+        assert forged == 2, saved
+        (state / "state.json").write_text(json.dumps(saved))
+        start_again(job, "restart", args, [*STEADY, "--epochs", "50"])
+        job.wait(120)  # it may end either way (both workers are gone): what matters is whom it signalled
+        err = job.stderr()
+        assert err.count(f"process {bystander.pid} is not the keeper of worker") == 2, err[-3000:]
+        assert bystander.poll() is None, "the driver signalled a process that was not its worker's keeper"
+    finally:
+        bystander.kill()
+        bystander.wait(10)
+
+
+def test_workers_that_gave_up_on_the_driver_are_not_failures(job: Job) -> None:
+    """Issue 34, point 3: the driver comes back after --driver-patience. The workers that
+    gave up waiting for it (exit status 75) are no failures: no host is blacklisted, and the
+    new driver starts a fresh round on the same slots, from the newest snapshot."""
+    job.set_hosts(H1, H2)
+    snapshots = job.dir / "snapshots"
+    args = restart_args(job, "-np", "2", "--driver-patience", "4", "--heartbeat-timeout", "2",
+                        "--snapshot-dir", str(snapshots), "--snapshot-every", "0.2")
+    example = [*STEADY, "--epochs", "20"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(6)
+    first = {e["pid"] for e in job.events("start")}
+    kill_driver(job)
+    wait_for(lambda: not job.stray_processes(), 30, "every worker to give up on the driver")
+    statuses = sorted(int(p.read_text()) for p in (job.dir / "state" / "workers").glob("*.status"))
+    assert statuses == [75, 75], statuses
+    assert (job.dir / "state" / "state.json").exists()
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert err.count("left the job while no driver ran (it waited --driver-patience for one, exit status 75)") == 2
+    assert "failures:      0" in err and "blacklisted:   none" in err, err[-3000:]
+    assert "resumed from:  " in err and "resumed from:  nothing" not in err, err[-3000:]
+    again = {e["pid"] for e in job.events("start")} - first
+    assert len(again) == 2  # a fresh round on both slots
+    resumed = [e for e in job.events("synced") if e["pid"] in again]
+    assert resumed and min(e["step"] for e in resumed) > 0, "not resumed from a snapshot"
+    assert not (job.dir / "state" / "state.json").exists()
+
+
+@contextlib.contextmanager
+def full_tmpfs(path):
+    """A tmpfs at ``path`` (mode 0700) whose inodes can all be used up, so that no file can
+    be created there any more (ENOSPC) while the files already open still grow."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=64,mode=0700", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+
+    def fill() -> int:
+        made = 0
+        while True:
+            try:
+                (path / f"filler-{made}").touch()
+            except OSError as err:
+                assert err.errno == errno.ENOSPC, err
+                return made
+            made += 1
+
+    try:
+        yield fill
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_state_dir_fails_one_start_and_the_keepers_report_real_exits(job: Job) -> None:
+    """Issue 34, point 4: --state-dir on a file system with no inode left. A worker started
+    for a new host cannot get its log file there: that start fails, not the job. A worker
+    SIGKILLed then: its keeper cannot write its status, yet ends what the worker left (its
+    child) and the driver learns the real exit (SIGKILL, not "status 1")."""
+    job.set_hosts(H1, H2)
+    with full_tmpfs(job.dir / "state") as fill:
+        args = restart_args(job, "-np", "2", "--min-np", "1", "--max-np", "3")
+        job.start(args, [*STEADY, "--epochs", "40", "--child"])
+        job.wait_rounds(1)
+        job.wait_steps(4)
+        assert fill() > 0
+        job.set_hosts(H1, H2, "127.0.0.3:1")
+        wait_for(lambda: "could not be started" in job.stderr() or job._ended(), 30, "the new host's start to fail")
+        victim = psutil.Process(job.worker_pid("127.0.0.2"))
+        left = victim.children()
+        assert left, "the worker's child did not start"
+        victim.send_signal(signal.SIGKILL)
+        wait_for(lambda: all(not psutil.pid_exists(c.pid) or c.status() == psutil.STATUS_ZOMBIE for c in left), 10,
+                 "the killed worker's child to end with it")
+        assert job.wait(180) == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert re.search(r"worker 127\.0\.0\.3\[0\]#\d+ was lost: could not be started: No space left on device", err), \
+        err[-3000:]
+    assert re.search(r"worker 127\.0\.0\.2\[0\]#\d+ was killed by SIGKILL", err), err[-3000:]
+    assert "the driver failed" not in err
+
+
+def test_a_driver_failing_while_it_takes_over_leaves_the_job_for_the_next(job: Job) -> None:
+    """Issue 34, point 5: a driver that fails while it adopts the job (here a worker's log is
+    missing) exits touching nothing: the workers train on, state.json and the secret stay,
+    and the next driver adopts them."""
+    job.set_hosts(H1, H2)
+    args, example = restart_args(job, "-np", "2"), [*STEADY, "--epochs", "20"]
+    job.start(args, example)
+    job.wait_rounds(1)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    kill_driver(job)
+    state = job.dir / "state"
+    log = sorted((state / "workers").glob("*.log"))[0]
+    away = log.with_name(log.name + ".away")
+    log.rename(away)
+    start_again(job, "failed", args, example)
+    assert job.wait(60) == 1, job.stderr()[-3000:]
+    failed = Line("the driver failed while taking over the job in --state-dir {path}: {error}; the job is left as "
+                  "it was (its state kept, its workers running for --driver-patience {patience} s): start the same "
+                  "command again", {"path": state, "error": f"FileNotFoundError: [Errno 2] No such file or directory: "
+                                                            f"'{log}'", "patience": 120})
+    assert job.reason() == PREFIXES["job"] + failed.text
+    assert_documented(failed)
+    assert all(_alive(pid) for pid in pids), "a worker was stopped by the driver that failed"
+    assert (state / "state.json").exists() and (state / "secret").exists()
+    away.rename(log)
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+    assert "driver outages: 1" in job.stderr() or "driver outages: 2" in job.stderr()
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert {e["pid"] for e in job.events("done")} == pids
+    assert_epochs_complete(job, 20)

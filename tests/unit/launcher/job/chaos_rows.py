@@ -18,7 +18,7 @@ def matrix_cases() -> dict[int, str]:
     assert spec is not None and spec.loader is not None, CHAOS_MATRIX
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {number: fault for number, (_, _, fault, _, _) in enumerate(module.CASES, start=1)}
+    return {number: fault for number, (_, _, fault, _, _) in module.all_cases()}
 
 
 def coverage_gaps(covered: set[int], elsewhere: dict[int, str]) -> dict[str, list[int]]:

@@ -27,6 +27,8 @@ Chaos-matrix case -> row:
   45 (a worker lost while the driver was down)        -> "row 45: ..."
   50 (a Slurm node dies: killed as wedged, or its step ends without a status) -> "row 50 ...: ..." (two rows)
   57 (slow exits after the report, then status 0)     -> "row 57: ..."
+  63 (workers that gave up on an absent driver, exit 75) -> "row 63: ..." (two rows)
+  64 (a start failed on a full --state-dir)           -> "row 64: ..."
 Not decided by classify_exit (the reason is in ``ELSEWHERE`` below):
   10, 33 (one rank's DistError: nobody exits; the registry's round-lost answer);
   11, 12, 13 (discovery misbehaving: the discovery thread); 22, 23, 43 (driver SIGTERM/SIGINT:
@@ -54,7 +56,7 @@ import dataclasses
 import pytest
 
 from lightning_elastic.launcher.job.exits import ExitFacts, ExitKind, classify_exit, describe_status, failure_text
-from lightning_elastic.protocol import Outcome
+from lightning_elastic.protocol import EXIT_DRIVER_GONE, Outcome
 from tests.unit.launcher.job.chaos_rows import coverage_gaps
 
 DONE, LEFT, STOPPED, FAILED = ExitKind.DONE, ExitKind.LEFT, ExitKind.STOPPED, ExitKind.FAILED
@@ -167,6 +169,20 @@ ROWS = [
            starting(0, detail="the remote start on node2 failed (status 0): no message"),
            f"worker {W} was lost: the remote start on node2 failed (status 0): no message",
            blacklist=True, host_failed=True, never_joined=False),
+    failed("row 64: a start that failed on this machine's disk (a full --state-dir): lost, its host's own",
+           starting(127, detail="could not be started: No space left on device (/s/workers/W.log)"),
+           f"worker {W} was lost: could not be started: No space left on device (/s/workers/W.log)",
+           blacklist=True, host_failed=True, cases=(64,)),
+    # ----- the driver was away: gave up waiting for it (--state-dir) -------------------------
+    Row("row 63: an adopted member that waited --driver-patience for a driver and exited 75",
+        member(EXIT_DRIVER_GONE, gave_up_on_driver=True), ExitKind.DRIVER_GONE, break_round=True, cases=(63,)),
+    Row("row 63: an adopted worker that never joined a round gave up too: no round to break",
+        starting(EXIT_DRIVER_GONE, gave_up_on_driver=True), ExitKind.DRIVER_GONE),
+    failed("status 75 from a worker this driver started is the script's own: a failure",
+           member(EXIT_DRIVER_GONE), f"worker {W} exited with status 75", break_round=True, blacklist=True),
+    failed("an adopted worker killed by the driver, whatever its status, failed for the driver's reason",
+           member(EXIT_DRIVER_GONE, gave_up_on_driver=True, kill_reason=NO_HEARTBEAT),
+           f"worker {W} exited with status 75: {NO_HEARTBEAT}", break_round=True, blacklist=True),
     # ----- never joined ---------------------------------------------------------------------
     failed("a script that exits 0 without ever joining the job: never joined, costs its slot only",
            starting(0), f"worker {W} exited with status 0 without ever joining the job",
@@ -253,6 +269,7 @@ ELSEWHERE = {
     54: "--slurm outside an allocation: the CLI",
     58: "the driver stopped: liveness (test_liveness.py)",
     62: "two snapshot writers of one job: the workers' snapshot writer (lightning_elastic/durable/)",
+    65: "a driver failing while it takes the job over: the shell's shutdown (driver/lifecycle.py)",
 }
 
 

@@ -273,6 +273,9 @@ ELSEWHERE = {
     46: "no driver comes back: the worker's --driver-patience",
     54: "--slurm outside an allocation: the CLI",
     62: "two snapshot writers of one job: the workers' snapshot writer (lightning_elastic/durable/)",
+    63: "workers that gave up on an absent driver: exit classification (test_exits.py) and the step",
+    64: "a full state dir: a start that fails is an exit (test_exits.py); the keeper's own exit",
+    65: "a driver failing while it takes the job over: the shell's shutdown (driver/lifecycle.py)",
 }
 
 

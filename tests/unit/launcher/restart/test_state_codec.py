@@ -132,11 +132,12 @@ def test_a_job_state_round_trips_whole_its_clock_times_moved_to_the_new_drivers_
     # The transient fields are their defaults; the host manager works on the state's blacklist.
     fresh, fresh_worker = JobState(), WorkerRecord("x", A0, 0.0)
     for name in ("breaks", "first_steps", "repeated_error", "user_error_rounds", "own_errors", "returned_in",
-                 "reserved", "round_floor", "closing", "reset_pending_since", "below_since", "short_of_slots_said_at",
+                 "reserved", "closing", "reset_pending_since", "below_since", "short_of_slots_said_at",
                  "discovery_error", "never_joined"):
         assert facts(getattr(again, name)) == facts(getattr(fresh, name)), name
     assert again.breaks.maxlen == fresh.breaks.maxlen
-    for name in ("arrived_after_round", "waiting_since", "asking_round", "wake"):
+    assert again.round_floor == 9  # saved: the next round is numbered past it (a round given up, say)
+    for name in ("arrived_after_round", "waiting_since", "asking_round", "wake", "adopted"):
         assert getattr(worker, name) == getattr(fresh_worker, name), name
     assert again.hosts.table is again.blacklist
 

@@ -231,7 +231,9 @@ time.sleep(60)
     assert is_running(keeper_pid, ticks), "the worker died with its driver"
     out = io.StringIO()
     record = WorkerRecord("h[0]#0", SlotKey("h", 0), 0.0, joined=True, keeper_pid=keeper_pid, start_ticks=ticks)
-    proc = DetachedLauncher(directory, out).adopt(record, lambda: "> ")
+    # Its pid and start time are anyone's to read: without the job's secret it is not this job's keeper.
+    assert isinstance(DetachedLauncher(directory, secret="another").adopt(record, lambda: ""), LostProcess)
+    proc = DetachedLauncher(directory, out, secret="s3cret").adopt(record, lambda: "> ")
     assert proc.pid == keeper_pid
     assert proc.wait(10) == 0
     proc.finish_output(BOUND)
@@ -300,7 +302,7 @@ def test_a_detached_remote_worker_outlives_its_connection_and_is_reattached(tmp_
     remote = str(tmp_path / "remote")
     first, out, err = supervisor({
         "command": [sys.executable, "-c", TRAIN, "60", "3"], "env": {}, "cwd": str(tmp_path), "secret": "s3cret",
-        "secret_fd_variable": "LIGHTNING_ELASTIC_SECRET_FD", "detach": {"dir": remote, "name": "w1"}})
+        "secret_fd_variable": "LIGHTNING_ELASTIC_SECRET_FD", "detach": {"dir": remote, "name": "w1", "mark": "job-m1"}})
     started = err.next()
     assert started.startswith(f"{MARK} started "), started
     pid, ticks, offset = map(int, started.split()[-3:])
@@ -312,8 +314,14 @@ def test_a_detached_remote_worker_outlives_its_connection_and_is_reattached(tmp_
     assert is_running(pid, ticks), "the worker died with its connection"
 
     relayed = len("".join(f"{line}\n" for line in ["secret s3cret", *seen]).encode())
+    # A running process without this job's mark is never adopted (nor signalled): reported killed.
+    other, _, err4 = supervisor({"attach": {"dir": remote, "name": "w1", "pid": pid, "ticks": ticks,
+                                            "offset": relayed, "mark": "job-other"}})
+    assert err4.next() == f"{MARK} exit -9"
+    other.wait(BOUND)
+    assert is_running(pid, ticks)
     again, out2, err2 = supervisor({"attach": {"dir": remote, "name": "w1", "pid": pid, "ticks": ticks,
-                                               "offset": relayed}})
+                                               "offset": relayed, "mark": "job-m1"}})
     assert err2.next() == f"{MARK} started {pid} {ticks} {relayed}"
     assert out2.next() == "line 1"  # from where the first connection had got to
     lines = []
@@ -323,7 +331,8 @@ def test_a_detached_remote_worker_outlives_its_connection_and_is_reattached(tmp_
     assert err2.next() == f"{MARK} exit 3"
     assert again.wait(BOUND) == 0
     # A worker that is gone without a status is reported killed.
-    gone, _, err3 = supervisor({"attach": {"dir": remote, "name": "w9", "pid": os.getpid(), "ticks": 1, "offset": 0}})
+    gone, _, err3 = supervisor({"attach": {"dir": remote, "name": "w9", "pid": os.getpid(), "ticks": 1, "offset": 0,
+                                                  "mark": "job-m9"}})
     assert err3.next() == f"{MARK} exit -9"
     gone.wait(BOUND)
 
