@@ -170,6 +170,11 @@ CASES: list[tuple[str, str, str, str, str]] = [
     ("test_multi_machine.py::test_a_rolling_move_across_remote_hosts_keeps_the_state", "machines",
      "a rolling move over ssh: discovery lists H1 -> H1,H2 -> H2,H3 -> H3, H2 removed before H3's worker joined",
      "success at 1 on H3; H2 stays until the round with H3 formed", "exactly once; no failure, no blacklist"),
+    ("test_slurm.py::test_a_crashed_node_with_the_default_timeouts_is_a_lost_peer_not_the_survivors_error", "Slurm",
+     "every process of a node dies right after the first epoch, default timeouts (`--heartbeat-timeout` 10 s longer "
+     "than `--error-wait` 5 s), a loop that also checks its replicas with a collective",
+     "success at 2 of 3 within --heartbeat-timeout + 3 s: the survivors' errors wait for the dead node's verdict",
+     f"{EO}, {SAME}; the loss is the heartbeat verdict (its srun lingers)"),
 ]
 
 
