@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
                         help="raise a ValueError at this global step (with --fail-on-host)")
     parser.add_argument("--fail-on-host", default="all",
                         help="host whose workers raise at --fail-at-step; 'all': every worker")
+    parser.add_argument("--check-replicas", action="store_true",
+                        help="after every step, compare the model's checksum across the world with a "
+                             "collective and raise if the replicas differ")
     # Fault injection for the chaos tests (docs/reliability.md).
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--start-delay", type=float, default=0.0,
@@ -131,6 +134,16 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+@torch.no_grad()
+def check_replicas(model: torch.nn.Module) -> None:
+    """Every rank's parameters agree (one all-gather of their checksums), or raise."""
+    mine = torch.tensor([checksum(model)], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(le.size())]
+    dist.all_gather(every, mine)
+    if any(not torch.equal(other, mine) for other in every):
+        raise ValueError(f"replicas differ on rank {le.rank()}: {[float(t) for t in every]}")
+
+
 def main() -> None:
     args = parse_args()
     if args.start_delay and args.start_delay_on_host in ("all", os.environ.get("LIGHTNING_ELASTIC_HOSTNAME")):
@@ -205,6 +218,8 @@ def main() -> None:
                 seen: list = [None] * le.size()
                 real = index[: sampler.real_in_batch(batch_idx, args.batch_size)]
                 dist.all_gather_object(seen, real.tolist())
+                if args.check_replicas:
+                    check_replicas(model)
                 state.seen.extend(i for part in seen for i in part)
                 sampler.record_batch(batch_idx, args.batch_size)
                 state.step += 1

@@ -12,8 +12,12 @@ from lightning_elastic.launcher.job.slots import HostSlots, count_slots
 from lightning_elastic.durable.files import SnapshotSettings
 
 
-# The longest a worker's question about an error is held by the driver (one long poll).
+# The longest a worker's question about an error is held by the driver (one long poll)
+# before the error counts as its own...
 MAX_LOST_MEMBER_WAIT = 60.0
+# ... and, while a peer has been silent since the question, for the driver's verdict on it
+# (the worker asks for its --heartbeat-timeout plus protocol.VERDICT_GRACE).
+MAX_VERDICT_WAIT = 3600.0
 # Driver restart needs workers that outlive the driver: local ones (under keepers) or ssh
 # ones (under supervisors). An srun step ends with the driver's allocation step, so none.
 STATE_DIR_WITH_SLURM = ("--state-dir: not supported with --slurm (driver restart needs workers started here or "

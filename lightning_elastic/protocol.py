@@ -65,8 +65,9 @@ ENV_CUDA_DEVICE = "LIGHTNING_ELASTIC_CUDA_DEVICE"
 
 # The protocol's version, on every request and reply: a worker and a driver of different
 # versions refuse each other with a message that says so (2: the store's MULTI_GET; 3: a
-# hot spare's WAIT says so; 4: store writes carry a request id).
-PROTOCOL_VERSION = 4
+# hot spare's WAIT says so; 4: store writes carry a request id; 5: a round-lost question
+# says how long it may wait for the driver's verdict on a silent peer).
+PROTOCOL_VERSION = 5
 HEADER_PROTOCOL = "X-Elastic-Protocol"
 HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
 HEADER_NONCE = "X-Elastic-Nonce"  # 32 hex digits, never sent twice: see NonceSequence
@@ -83,6 +84,11 @@ PATH_STORE = "/v1/store"
 STORE_ROUND_PREFIX = "lightning_elastic/round/"
 
 RENDEZVOUS_POLL = 5.0  # longest the service holds a rendezvous request before "wait"
+# A round-lost question may wait for the driver's verdict on a peer silent since it was
+# asked: that peer's heartbeat timeout runs out at most --heartbeat-timeout after the
+# question, and the driver's next decision pass breaks the round; this much more covers
+# that pass on a busy machine (see RoundLostRequest.verdict_wait_seconds).
+VERDICT_GRACE = 3.0
 
 
 class ProtocolError(ValueError):
@@ -162,6 +168,13 @@ class RoundLostRequest:
     a timeout): the member leaves its round whatever the answer, so the driver counts the
     round as broken by it. ``error`` (its last traceback line) and ``commits`` (commits
     made in this round) let the driver see the same error repeating with no progress.
+
+    ``wait_seconds`` is --error-wait: after it the error is the asker's own, unless a peer
+    has sent the driver nothing since the question. Such a peer may be dead on a machine
+    whose exit the driver cannot see yet (a crashed node's srun or ssh lingers): then the
+    answer waits for the driver's verdict on it (its heartbeat timeout breaks the round:
+    "lost"), at most ``verdict_wait_seconds`` from the question (the worker's
+    --heartbeat-timeout plus ``VERDICT_GRACE``; 0: not at all).
     """
 
     worker_id: str
@@ -170,6 +183,7 @@ class RoundLostRequest:
     collective: bool = False
     error: str = ""
     commits: int = 0
+    verdict_wait_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

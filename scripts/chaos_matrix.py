@@ -189,6 +189,11 @@ CASES: list[tuple[str, str, str, str, str]] = [
      "adopting it), the log back, the same command again",
      "the failed driver exits 1 touching nothing; the next one adopts: success in the same round",
      "state.json and secret kept, same processes"),
+    ("test_slurm.py::test_a_crashed_node_with_the_default_timeouts_is_a_lost_peer_not_the_survivors_error", "Slurm",
+     "every process of a node dies right after the first epoch, default timeouts (`--heartbeat-timeout` 10 s longer "
+     "than `--error-wait` 5 s), a loop that also checks its replicas with a collective",
+     "success at 2 of 3 within --heartbeat-timeout + 3 s: the survivors' errors wait for the dead node's verdict",
+     f"{EO}, {SAME}; the loss is the heartbeat verdict (its srun lingers)"),
 ]
 
 # Cases numbered apart from CASES while other branches append to it (issue 34's, from 70);

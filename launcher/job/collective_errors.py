@@ -67,6 +67,13 @@ class ErrorView:
     # Every other live member sent a request after the asker's question: none was lost
     # when the asker raised.
     others_alive: bool = False
+    # A live member of the round has sent the driver nothing since the asker's question: it
+    # may be dead on a machine whose exit the driver cannot see (a crashed node's srun or
+    # ssh lingers), its gloo error the asker's. Its heartbeat timeout will tell.
+    peer_silent: bool = False
+    # The asker's whole wait is over: --error-wait, and the wait for the driver's verdict
+    # on a silent peer (its heartbeat timeout and a grace, from the question).
+    out_of_time: bool = False
 
 
 def classify_error(view: ErrorView) -> RoundLostReply | None:
@@ -78,7 +85,10 @@ def classify_error(view: ErrorView) -> RoundLostReply | None:
     live member asks (the same error everywhere: the user's), when a member already failed
     with the same error (the same, raised a little later), when every other member showed
     it is alive after the question (no peer was lost: peers that raise the same error later
-    are caught by the previous rule), else after the wait.
+    are caught by the previous rule), else after the wait, --error-wait: at its end, unless
+    a peer has been silent since the question. That peer is dead or cut off, or alive and
+    slow to say so; the driver decides which within its heartbeat timeout (a verdict breaks
+    the round: "lost"), so the answer waits for that, bounded (``out_of_time``).
     """
     if view.collective:
         if view.repeated_error is not None:
@@ -88,6 +98,8 @@ def classify_error(view: ErrorView) -> RoundLostReply | None:
         return RoundLostReply(False)
     if view.broken or view.failed_other:
         return RoundLostReply(True)
-    if view.all_members_asking or view.others_alive or view.waited_out:
+    if view.all_members_asking or view.others_alive or view.out_of_time:
+        return RoundLostReply(False)
+    if view.waited_out and not view.peer_silent:
         return RoundLostReply(False)
     return None

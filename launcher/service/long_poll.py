@@ -89,7 +89,9 @@ class LongPoll(Generic[R]):
     """A pending request: ``answer(final)`` gives its reply, or None to go on waiting.
 
     ``answer`` and ``finish`` run with ``lock`` held; ``answer(True)`` (the wait is over)
-    must give a reply. ``finish`` runs once, after the reply is chosen. ``signal`` is the
+    must give a reply, or move ``deadline`` later: a wait that learns at its end that it must
+    cover one more fact (a round-lost question with a silent peer), bounded by the answer
+    itself. ``finish`` runs once, after the reply is chosen. ``signal`` is the
     one to wait on, or a function giving the one to wait on next (e.g. the next of several
     keys still missing).
     """
@@ -106,9 +108,14 @@ class LongPoll(Generic[R]):
         return self.signal if isinstance(self.signal, Signal) else self.signal()
 
     def _try(self) -> R | None:
-        reply = self.answer(self.clock() >= self.deadline)
+        deadline = self.deadline
+        final = self.clock() >= deadline
+        reply = self.answer(final)
         if reply is not None:
             self._finish()
+        elif final and self.deadline <= deadline:
+            # A bug of the answer: waiting on would spin (or hold the request for ever).
+            raise RuntimeError("a long poll's answer gave no reply at its deadline and did not extend it")
         return reply
 
     def _finish(self) -> None:

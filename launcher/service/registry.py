@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from lightning_elastic.launcher.config import MAX_LOST_MEMBER_WAIT
+from lightning_elastic.launcher.config import MAX_LOST_MEMBER_WAIT, MAX_VERDICT_WAIT
 from lightning_elastic.launcher.job import rounds
 from lightning_elastic.launcher.job.collective_errors import (
     MAX_ERROR_CHARS,
@@ -332,6 +332,9 @@ class Registry:
 
     def round_lost_poll(self, request: RoundLostRequest) -> LongPoll[RoundLostReply]:
         wait = min(request.wait_seconds, MAX_LOST_MEMBER_WAIT)
+        # The bound of the whole wait: --error-wait, or longer while a peer has been silent
+        # since the question, for the driver's verdict on it (see classify_error).
+        longest = max(wait, min(request.verdict_wait_seconds, MAX_VERDICT_WAIT))
         key = normalize_error(request.error[:MAX_ERROR_CHARS]) if request.error else ""
         with self.cond:
             record = self._get(request.worker_id)
@@ -339,6 +342,10 @@ class Registry:
             record.asking_round = request.round
             self.state.asking.add(record.worker_id)
             now = record.last_heartbeat = self._clock()
+            waited_out_at, out_of_time_at = now + wait, now + longest
+            # Who of the round has shown itself since the question (the call-in's scan when
+            # this asker calls in; its own otherwise, read only once its --error-wait is over).
+            shown = CheckIn(record.worker_id, request.round, now)
             if self._all_members_asking(request.round):
                 self._fire_askers()  # the others' answer changed: the same error everywhere
             current = self.state.round.number if self.state.round is not None else 0
@@ -350,10 +357,13 @@ class Registry:
                     commits=request.commits,
                 )
             elif self._may_call_in(request.round):
-                self._call_in(record, request.round, now)
+                self._call_in(record, shown)
 
         def answer(final: bool) -> RoundLostReply | None:
             broken = request.round in self.state.broken_rounds
+            at = self._clock()
+            waited_out = final or at >= waited_out_at
+            out_of_time = at >= out_of_time_at
             # O(members): not asked of a broken round, whose answer does not need it (at
             # thousands of members, every one asks about the same broken round at once).
             all_asking = not broken and self._all_members_asking(request.round)
@@ -366,13 +376,19 @@ class Registry:
                 all_members_asking=all_asking,
                 collective=request.collective,
                 repeated_error=self.state.repeated_error,
-                waited_out=final,
+                waited_out=waited_out,
                 failed_alike=alike,
                 failed_other=bool(own) and not alike,
-                others_alive=(checking is not None and checking.asker == record.worker_id
-                              and self._others_shown_alive(checking)),
+                others_alive=checking is shown and self._others_shown_alive(shown),
+                # Read only when it decides: at most one scan of the members per asker.
+                peer_silent=waited_out and not out_of_time and not broken and self._peer_silent(shown),
+                out_of_time=out_of_time,
             )
             reply = classify_error(view)
+            if reply is None and final:
+                # --error-wait is over with a peer silent since the question: wait on for
+                # the driver's verdict on it (a kill or exit breaks the round and wakes this).
+                poll.deadline = out_of_time_at
             if reply is not None and all_asking and not reply.lost and not request.collective:
                 # Sticky, so members answered later agree.
                 self.state.user_error_rounds.add(request.round)
@@ -389,7 +405,8 @@ class Registry:
             if self._checking is not None and self._checking.asker == record.worker_id:
                 self._checking = None
 
-        return self._poll(answer, record, wait, finish)
+        poll = self._poll(answer, record, wait, finish)
+        return poll
 
     def leave(self, request: LeaveRequest) -> LeaveReply:
         """A worker got a preemption notice: let it leave at its next check, or not."""
@@ -410,12 +427,12 @@ class Registry:
         return (self._checking is None and self.state.round is not None and self.state.round.number == number
                 and number not in self.state.broken_rounds and number not in self.state.own_errors)
 
-    def _call_in(self, record: WorkerRecord, number: int, now: float) -> None:
-        """Ask every other live member of round ``number`` for a heartbeat now: one that
-        sends it after ``record``'s question was alive after its error, so that error is
-        not a consequence of that member's loss."""
-        self._checking = CheckIn(record.worker_id, number, now)
-        self._called_in_at = now
+    def _call_in(self, record: WorkerRecord, checking: CheckIn) -> None:
+        """Ask every other live member of round ``checking.round`` for a heartbeat now: one
+        that sends it after ``record``'s question was alive after its error, so that error
+        is not a consequence of that member's loss."""
+        self._checking = checking
+        self._called_in_at = checking.since
         assert self.state.round is not None
         for worker_id in self.state.round.members:
             member = self.state.workers.get(worker_id)
@@ -436,6 +453,12 @@ class Registry:
                 return False
             checking.cursor += 1
         return True
+
+    def _peer_silent(self, shown: CheckIn) -> bool:
+        """Has a live member of the current round (``shown.round``) sent nothing since the
+        question? Not said of an older round: its members are not known any more."""
+        current = self.state.round
+        return current is not None and current.number == shown.round and not self._others_shown_alive(shown)
 
     def _all_members_asking(self, number: int) -> bool:
         if self.state.round is None or self.state.round.number != number:

@@ -113,9 +113,13 @@ class DriverClient:
         return self._post(p.PATH_HEARTBEAT, request, p.HeartbeatReply, wait=wait, retry_for=0.0)
 
     def round_lost(self, round_number: int, wait: float, collective: bool = False, error: str = "",
-                   commits: int = 0) -> p.RoundLostReply:
-        request = p.RoundLostRequest(self.worker_id, round_number, wait, collective, error[:2000], commits)
-        return self._post(p.PATH_ROUND_LOST, request, p.RoundLostReply, wait=wait)
+                   commits: int = 0, verdict_wait: float = 0.0) -> p.RoundLostReply:
+        """Was ``round_number`` lost? ``wait``: --error-wait; ``verdict_wait``: how long the
+        answer may wait for the driver's verdict on a peer silent since the question (see
+        ``RoundLostRequest``)."""
+        request = p.RoundLostRequest(self.worker_id, round_number, wait, collective, error[:2000], commits,
+                                     verdict_wait)
+        return self._post(p.PATH_ROUND_LOST, request, p.RoundLostReply, wait=max(wait, verdict_wait))
 
     def leave(self, reason: str) -> bool:
         """Ask to leave gracefully; False: exit now. A short retry: a preempted worker has little time."""

@@ -64,6 +64,12 @@ class WorkerSettings:
                                                           world_size=self.world_size))
 
     @property
+    def verdict_wait(self) -> float:
+        """How long a question about an error may wait for the driver's verdict on a peer
+        silent since it was asked: that peer's heartbeat timeout, and the driver's pass."""
+        return self.heartbeat_timeout + p.VERDICT_GRACE
+
+    @property
     def driver_lost_after(self) -> float:
         return max(self.driver_patience, DRIVER_LOST_AFTER_TIMEOUTS * self.heartbeat_timeout)
 

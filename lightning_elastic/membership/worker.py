@@ -344,14 +344,18 @@ class ElasticWorker:
 
         ``collective`` errors (by their type) leave the round whatever the answer: the
         driver then counts the round as broken by this member, so its peers recover too,
-        unless the same error keeps ending rounds with no commit in between.
+        unless the same error keeps ending rounds with no commit in between. The answer
+        takes at most --error-wait, or, while a peer has been silent since the question
+        (a crashed machine whose exit the driver cannot see), until the driver's verdict
+        on it: at most --heartbeat-timeout plus ``VERDICT_GRACE``.
         """
         if self._client is None or self.settings is None:
             return p.RoundLostReply(False)  # a world of one has no peer to lose
         if self._shared.broken(self.assignment.round):
             return p.RoundLostReply(True)
         reply = self._client.round_lost(
-            self.assignment.round, self.settings.lost_member_wait, collective, error, self._commits_in_round
+            self.assignment.round, self.settings.lost_member_wait, collective, error, self._commits_in_round,
+            verdict_wait=self.settings.verdict_wait,
         )
         if reply.lost:  # the round is broken: its group's connections are cut at the reset
             self._shared.mark_broken(self.assignment.round)

@@ -26,6 +26,7 @@ Chaos-matrix case -> row:
   41 (a host without sshd)                            -> "row 41: ..."
   45 (a worker lost while the driver was down)        -> "row 45: ..."
   50 (a Slurm node dies: killed as wedged, or its step ends without a status) -> "row 50 ...: ..." (two rows)
+  66 (a Slurm node dies, default timeouts: killed as wedged) -> "rows 50, 66 (the heartbeat timeout first): ..."
   57 (slow exits after the report, then status 0)     -> "row 57: ..."
   63 (workers that gave up on an absent driver, exit 75) -> "row 63: ..." (two rows)
   64 (a start failed on a full --state-dir)           -> "row 64: ..."
@@ -144,9 +145,9 @@ ROWS = [
     failed("row 38: a partitioned host's worker killed as wedged (the driver closed its ssh end)",
            member(SIGKILLED, kill_reason=NO_HEARTBEAT), f"worker {W} was killed by SIGKILL: {NO_HEARTBEAT}",
            break_round=True, blacklist=True, cases=(38,)),
-    failed("row 50 (the heartbeat timeout first): a crashed Slurm node's worker killed as wedged",
+    failed("rows 50, 66 (the heartbeat timeout first): a crashed Slurm node's worker killed as wedged",
            member(SIGKILLED, kill_reason=NO_HEARTBEAT), f"worker {W} was killed by SIGKILL: {NO_HEARTBEAT}",
-           break_round=True, blacklist=True, cases=(50,)),
+           break_round=True, blacklist=True, cases=(50, 66)),
     failed("a worker that never reached the rendezvous killed at --start-timeout",
            starting(SIGKILLED, kill_reason="it did not reach the rendezvous within 600 s"),
            f"worker {W} was killed by SIGKILL: it did not reach the rendezvous within 600 s", blacklist=True),

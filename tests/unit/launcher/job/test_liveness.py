@@ -11,8 +11,8 @@ the bound is still alive. Times are plain numbers of seconds; nothing here sleep
 
 Chaos-matrix case -> row:
   8 (never exits after training returned)            -> "row 8: ..." (exit_overdue table)
-  17 (SIGSTOP to a worker)                            -> "rows 17, 38, 50: ..."
-  38 (a partitioned host), 50 (a crashed Slurm node)  -> "rows 17, 38, 50: ..."
+  17 (SIGSTOP to a worker)                            -> "rows 17, 38, 50, 66: ..."
+  38 (a partitioned host), 50, 66 (a crashed Slurm node) -> "rows 17, 38, 50, 66: ..."
   15, 28, 53 (a host change announced to a healthy round) -> "rows 15, 28, 53 (H4): ..." (two rows)
   44, 45, 47, 48, 55, 56 (a driver started again adopts its workers) -> "rows 44, 45, 47, 48, 55, 56: ..."
   57 (slow exits after the report, past --heartbeat-timeout) -> "row 57: ..."
@@ -98,8 +98,8 @@ class Row:
 ROWS = [
     # ----- the heartbeat: a worker silent while it trains -----------------------------------
     Row("a member heartbeating is alive", training(105.0), 110.0, running(), None),
-    Row("rows 17, 38, 50: silent past --heartbeat-timeout (SIGSTOPped, partitioned, node gone): killed",
-        training(100.0), 110.5, running(), NO_HEARTBEAT_10, cases=(17, 38, 50)),
+    Row("rows 17, 38, 50, 66: silent past --heartbeat-timeout (SIGSTOPped, partitioned, node gone): killed",
+        training(100.0), 110.5, running(), NO_HEARTBEAT_10, cases=(17, 38, 50, 66)),
     Row("silent exactly --heartbeat-timeout: not yet (the bound is strict)",
         training(100.0), 110.0, running(), None),
     Row("a worker waiting at the rendezvous (not a member) is held to the heartbeat too",

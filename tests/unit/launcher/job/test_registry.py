@@ -13,7 +13,7 @@ import pytest
 
 from lightning_elastic.launcher.job.slots import SlotAssignment, SlotKey
 from lightning_elastic.launcher.job.collective_errors import ErrorView, classify_error
-from lightning_elastic.launcher.job.state import WorkerRecord, WorkerState
+from lightning_elastic.launcher.job.state import CheckIn, WorkerRecord, WorkerState
 from lightning_elastic.launcher.service.registry import Registry, UnknownWorker, outcome_of
 from lightning_elastic.protocol import (
     HeartbeatRequest,
@@ -500,6 +500,66 @@ def test_a_peer_that_never_shows_alive_keeps_the_wait_as_the_bound(reg, pool):
     assert reg.round_lost(RoundLostRequest("w2", 2, 0.05, error="ValueError: x")).lost is False
 
 
+def test_a_peer_silent_since_the_question_holds_the_answer_past_the_error_wait_until_its_verdict(reg, pool):
+    # Row 66: a node crashed with its worker; the driver sees no exit (srun lingers), only
+    # the silence, and its heartbeat timeout breaks the round. The survivors' gloo errors
+    # must wait for that, not be judged their own when --error-wait runs out.
+    a, b, c = add(reg, "w0"), add(reg, "w1"), add(reg, "w2")
+    form(reg, a, b, c)
+    reg.heartbeat(HeartbeatRequest("w2", 0, 0, 0.0))  # w2: alive before the crash only
+    asked = pool.submit(reg.round_lost, RoundLostRequest("w0", 1, 0.05, error="RuntimeError: Connection reset by peer",
+                                                         verdict_wait_seconds=30.0))
+    wait_until(reg, lambda: a.asking_round == 1)
+    reg.heartbeat(HeartbeatRequest("w1", 0, 0, 0.0))  # the other survivor shows itself
+    with reg.cond:
+        assert not reg.cond.wait_for(asked.done, 0.3)  # past --error-wait (0.05 s): still waiting
+        c.state = WorkerState.FAILED  # the driver's verdict: killed as silent
+        reg.mark_round_broken(1, "worker w2 sent no heartbeat")
+    assert asked.result(timeout=PROMPT).lost is True
+
+
+def test_a_silent_peer_holds_the_answer_of_an_asker_that_did_not_call_in_too(reg, pool):
+    a, b, c = add(reg, "w0"), add(reg, "w1"), add(reg, "w2")
+    form(reg, a, b, c)
+    first = pool.submit(reg.round_lost, RoundLostRequest("w0", 1, 0.05, error="RuntimeError: reset",
+                                                         verdict_wait_seconds=30.0))
+    wait_until(reg, lambda: a.asking_round == 1)
+    second = pool.submit(reg.round_lost, RoundLostRequest("w1", 1, 0.05, error="RuntimeError: reset",
+                                                          verdict_wait_seconds=30.0))
+    wait_until(reg, lambda: b.asking_round == 1)
+    with reg.cond:
+        assert not reg.cond.wait_for(lambda: first.done() or second.done(), 0.3)
+        c.state = WorkerState.FAILED
+        reg.mark_round_broken(1, "worker w2 sent no heartbeat")
+    assert first.result(timeout=PROMPT).lost is True
+    assert second.result(timeout=PROMPT).lost is True
+
+
+def test_a_silent_peer_never_judged_still_ends_the_wait_with_the_askers_own_error(reg):
+    # Alive but never answering, or never judged (the driver was away): bounded all the same.
+    a, b = add(reg, "w0"), add(reg, "w1")
+    form(reg, a, b)
+    reply = reg.round_lost(RoundLostRequest("w0", 1, 0.05, error="ValueError: x", verdict_wait_seconds=0.3))
+    assert reply.lost is False
+    with reg.cond:
+        assert reg._checking is None and a.asking_round is None
+
+
+def test_with_every_peer_shown_alive_the_error_wait_ends_the_wait_as_before(reg, pool):
+    # An asker that did not call in (another asker's call-in was under way) and whose
+    # peers all showed themselves since its question: its own error at --error-wait.
+    a, b, c = add(reg, "w0"), add(reg, "w1"), add(reg, "w2")
+    form(reg, a, b, c)
+    with reg.cond:
+        reg._checking = CheckIn("w2", 1, reg._clock())  # w2 is calling in
+    reg.heartbeat(HeartbeatRequest("w2", 0, 0, 0.0))
+    asked = reg.round_lost_poll(RoundLostRequest("w0", 1, 0.05, error="ValueError: x", verdict_wait_seconds=30.0))
+    assert asked.answer_now() is None
+    reg.heartbeat(HeartbeatRequest("w1", 0, 0, 0.0))
+    reg.heartbeat(HeartbeatRequest("w2", 0, 0, 0.0))
+    assert pool.submit(asked.wait).result(timeout=PROMPT).lost is False  # at --error-wait, not 30 s
+
+
 def test_one_call_in_at_a_time_and_none_once_an_error_was_judged_own(reg, pool):
     a, b, c = add(reg, "w0"), add(reg, "w1"), add(reg, "w2")
     form(reg, a, b, c)
@@ -776,6 +836,18 @@ NO_FACTS = dict(broken=False, judged_own=False, all_members_asking=False, collec
         ({"failed_other": True, "others_alive": True}, RoundLostReply(True)),
         ({"broken": True, "others_alive": True}, RoundLostReply(True)),
         ({"collective": True, "failed_alike": True}, RoundLostReply(True)),
+        # Row 66: a peer silent since the question (a crashed node whose srun lingers) holds
+        # the answer past --error-wait, until the driver's verdict on it breaks the round...
+        ({"waited_out": True, "peer_silent": True}, None),
+        ({"waited_out": True, "peer_silent": True, "broken": True}, RoundLostReply(True)),
+        # ... bounded: alive but never saying so, or never judged, it is the asker's own.
+        ({"waited_out": True, "peer_silent": True, "out_of_time": True}, RoundLostReply(False)),
+        ({"out_of_time": True}, RoundLostReply(False)),
+        # Unchanged by a silent peer: the same error everywhere, or one already judged own.
+        ({"waited_out": True, "peer_silent": True, "all_members_asking": True}, RoundLostReply(False)),
+        ({"waited_out": True, "peer_silent": True, "failed_alike": True}, RoundLostReply(False)),
+        ({"waited_out": True, "peer_silent": True, "failed_other": True}, RoundLostReply(True)),
+        ({"peer_silent": True}, None),  # before --error-wait: as before, wait
     ],
 )
 def test_classify_error(facts, reply):

@@ -52,6 +52,46 @@ def test_a_wait_that_runs_out_is_answered_finally_and_leaves_no_subscriber():
     assert box.finished == 1 and not box.changed.waiting
 
 
+def extended_once(box: Box) -> tuple[LongPoll[str], list[bool]]:
+    """A poll whose answer, at its first deadline, waits once more (bounded) instead."""
+    finals: list[bool] = []
+
+    def answer(final: bool) -> str | None:
+        finals.append(final)
+        if final and finals.count(True) == 1:
+            poll.deadline = time.monotonic() + 0.05  # one more, bounded, wait
+            return None
+        return "bounded" if final else None
+
+    poll = LongPoll(box.lock, answer, box.changed, time.monotonic() + 0.05, time.monotonic)
+    return poll, finals
+
+
+def test_an_answer_may_move_the_deadline_later_instead_of_replying_at_it():
+    # A round-lost question whose --error-wait ran out with a peer silent waits on, bounded.
+    poll, finals = extended_once(Box())
+    assert poll.wait() == "bounded"
+    assert finals.count(True) == 2
+
+
+def test_an_async_wait_follows_a_deadline_its_answer_moved():
+    box = Box()
+    poll, finals = extended_once(box)
+
+    async def main() -> str:
+        return await asyncio.wait_for(poll.wait_async(LoopWaker(asyncio.get_running_loop())), 10)
+
+    assert asyncio.run(main()) == "bounded"
+    assert finals.count(True) == 2 and not box.changed.waiting
+
+
+def test_an_answer_that_neither_replies_nor_moves_the_deadline_is_a_bug_not_a_spin():
+    box = Box()
+    poll = LongPoll(box.lock, lambda final: None, box.changed, time.monotonic(), time.monotonic)
+    with pytest.raises(RuntimeError, match="did not extend it"):
+        poll.wait()
+
+
 def test_thousands_of_async_waits_share_one_thread_and_wake_on_one_fire():
     box = Box()
 

@@ -78,6 +78,9 @@ def test_settings_from_environment_read_the_secret_and_heartbeat_timeout():
     assert settings.heartbeat_timeout == 7.5
     assert (settings.driver_url, settings.worker_id, settings.hostname) == ("http://127.0.0.1:29400", "w3", "node-a")
     assert settings.heartbeat_interval == 1.0  # the default when the launcher gives none
+    # A question about an error may wait for the driver's verdict on a silent peer: its
+    # heartbeat timeout, and a grace for the driver's pass (issue 34, row 66).
+    assert settings.verdict_wait == 7.5 + p.VERDICT_GRACE
     assert p.ENV_SECRET_FD not in environ
     assert not is_open(fd)
     assert "job-secret" not in repr(settings) and "job-secret" not in str(settings)  # never in a log line
