@@ -74,31 +74,40 @@ class WorkerProcess(Protocol):
         ...
 
 
-class NotStarted:
-    """A worker whose start failed on this machine's side (its file in ``--state-dir`` or
-    ``--log-dir`` could not be created: a full disk, an I/O error): reaped at the next turn
-    as a worker lost with ``reason``, so that its slot pays for it, not the job."""
+class EndedProcess:
+    """A worker process that has already ended: reaped at the next turn with ``status`` and
+    ``detail``. What stands in for a process the driver could not start or could not find."""
 
     pid = 0
     child_pid = None
 
-    def __init__(self, reason: str) -> None:
-        self._reason = reason
+    def __init__(self, status: int, detail: str = "") -> None:
+        self._status = status
+        self._detail = detail
 
     def poll(self) -> int | None:
-        return 127  # as a shell says of a command it could not run
+        return self._status
 
     def signal(self, sig: int) -> None:
         pass
 
     def wait(self, timeout: float) -> int | None:
-        return self.poll()
+        return self._status
 
     def finish_output(self, timeout: float = 5.0) -> None:
         pass
 
     def exit_detail(self) -> str:
-        return self._reason
+        return self._detail
+
+
+class NotStarted(EndedProcess):
+    """A worker whose start failed on this machine's side (its file in ``--state-dir`` or
+    ``--log-dir`` could not be created: a full disk, an I/O error): lost with ``reason``,
+    so that its slot pays for it, not the job."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(127, reason)  # as a shell says of a command it could not run
 
 
 class WorkerLauncher(Protocol):

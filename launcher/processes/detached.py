@@ -31,7 +31,7 @@ from typing import IO
 from lightning_elastic.launcher.errors import StartError
 from lightning_elastic.launcher.hosts.network import collective_interface_env
 from lightning_elastic.launcher.job.state import WorkerRecord
-from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.base import EndedProcess, WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.node.spawn import signal_group, spawn_worker
 from lightning_elastic.launcher.restart.state_dir import StateDir
@@ -225,26 +225,12 @@ class DetachedProcess:
         return ""
 
 
-class LostProcess:
+class LostProcess(EndedProcess):
     """A worker of the previous driver that could not be adopted (gone, or not local):
     lost, as a worker that exited without a status."""
 
-    pid = 0
-
-    def poll(self) -> int | None:
-        return -signal.SIGKILL
-
-    def signal(self, sig: int) -> None:
-        pass
-
-    def wait(self, timeout: float) -> int | None:
-        return self.poll()
-
-    def finish_output(self, timeout: float = 5.0) -> None:
-        pass
-
-    def exit_detail(self) -> str:
-        return ""
+    def __init__(self) -> None:
+        super().__init__(-signal.SIGKILL)
 
 
 class DetachedLauncher:
