@@ -153,8 +153,3 @@ class Effects:
 
     def end(self, verdict: Verdict) -> None:
         self.items.append(End(verdict))
-
-    @property
-    def verdict(self) -> Verdict | None:
-        ends = self.of(End)
-        return ends[0].verdict if ends else None
