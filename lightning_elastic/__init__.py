@@ -32,6 +32,7 @@ _EXPORTS = {
     "lightning_elastic.training.runner": ("run",),
     "lightning_elastic.training.sampler": ("ElasticSampler",),
     "lightning_elastic.training.state": ("ObjectState", "State", "TorchState"),
+    "lightning_elastic.sharded.state": ("ShardedState",),
     "lightning_elastic.membership.worker": ("ElasticWorker", "SlotInfo"),
     "lightning_elastic.lightning": ("ElasticCallback", "ElasticStrategy", "ScaleLearningRate"),
     "lightning_elastic.fabric": ("ElasticFabricStrategy", "FabricState"),
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from lightning_elastic.training.ddp import DistributedDataParallel
     from lightning_elastic.training.runner import run
     from lightning_elastic.training.sampler import ElasticSampler
+    from lightning_elastic.sharded.state import ShardedState
     from lightning_elastic.training.state import ObjectState, State, TorchState
 
 

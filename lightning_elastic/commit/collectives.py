@@ -52,3 +52,14 @@ def broadcast_object(value: Any, rank: int, src: int, device: torch.device, wait
     if rank == src:
         return value
     return pickle.loads(data.cpu().numpy().tobytes())
+
+
+def all_gather_object(value: Any, device: torch.device, wait: Wait) -> list[Any]:
+    """Every rank's picklable ``value``, in rank order: the lengths, then the padded bytes."""
+    payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    lengths = all_gather(torch.tensor([len(payload)], dtype=torch.int64), device, wait)
+    longest = max(int(n.item()) for n in lengths)
+    row = torch.zeros(longest, dtype=torch.uint8)
+    row[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = all_gather(row, device, wait)
+    return [pickle.loads(r[:int(n.item())].numpy().tobytes()) for r, n in zip(rows, lengths, strict=True)]

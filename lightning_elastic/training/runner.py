@@ -42,7 +42,7 @@ class _StateRecovery:
     def keep_live_state(self) -> None:
         # Every rank stopped at the same step: the live state is consistent, and a peer lost
         # during the re-formation must not roll it back to an older commit.
-        self._state.save()
+        self._state.keep_live()
 
     def restore_commit(self) -> None:
         self._state.restore()

@@ -119,6 +119,11 @@ class State:
     def save(self) -> None:
         raise NotImplementedError
 
+    def keep_live(self) -> None:
+        """Hosts changed (every rank stopped at the same step): the live state becomes the
+        rollback point."""
+        self.save()
+
     def restore(self) -> None:
         raise NotImplementedError
 

@@ -1,0 +1,409 @@
+"""``le.ShardedState``: an FSDP2 model, its optimizer and plain values, elastic at rank granularity.
+
+A sharded model exists only as its ranks' rows: no rank can hand the whole state to the
+others, as rank 0 does for a ``TorchState``. So a commit keeps, on every rank, its own rows
+(``rows.RankRows``, one host buffer) plus a copy of one other rank's rows, sent point to
+point as part of the commit (``layout``: the copy lives on another host when there is
+one). The rest of the state (plain values, buffers, the optimizer's step counts and
+hyperparameters, schedulers, samplers) is the same on every rank and committed by each.
+
+The model is built by the runtime, on every new process group, from the user's own FSDP2
+code: ``model()`` builds the module (under ``torch.device("meta")`` when its weights come from
+a commit), ``shard(model, mesh)`` applies ``fully_shard`` on this round's 1-D mesh, and
+``optimizer(params)`` makes the optimizer. At a reset the members gather what they hold,
+choose the newest commit still whole among them (``layout.choose_commit``) and move its rows
+straight into the new model's and optimizer's local tensors (``exchange.run_transfers``):
+the whole model is never materialised on any rank. Training then resumes from that commit
+(a lost peer) or from the live state committed when the hosts changed.
+
+When a rank and the holder of its copy are lost together, the rows are gone from memory:
+the state resumes from the newest durable snapshot (``--snapshot-dir``), or the job stops
+with one line saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_elastic.commit import collectives
+from lightning_elastic.errors import ElasticError
+from lightning_elastic.membership.worker import ElasticWorker
+from lightning_elastic.sharded import exchange
+from lightning_elastic.sharded.layout import (
+    NONE,
+    Fresh,
+    Holding,
+    Layout,
+    Lost,
+    Restore,
+    Transfer,
+    choose_commit,
+    covers_hosts,
+    holder_shift,
+    plan_transfers,
+)
+from lightning_elastic.sharded.rows import Entry, RankRows
+from lightning_elastic.training.state import State, _is_stateful, to_host
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[], torch.nn.Module]
+ShardFunction = Callable[[torch.nn.Module, Any], Any]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class ShardedState(State):
+    """``le.ShardedState(model, shard, optimizer, epoch=0, batch=0)``.
+
+    * ``model()``: builds the module (your model's constructor);
+    * ``shard(model, mesh)``: your FSDP2 code, e.g. ``fully_shard`` on each block, then on the
+      model, with ``mesh=mesh`` (a 1-D ``DeviceMesh`` over this round's ranks);
+    * ``optimizer(params)``: builds the optimizer, e.g. ``lambda p: torch.optim.AdamW(p, lr=3e-4)``;
+    * ``init_weights(model)`` (optional): for a model too large to build whole on one device:
+      the model is then built on the meta device, sharded, and ``init_weights`` fills the
+      local shards at the first start. Without it the first start builds ``model()`` for
+      real on every rank and shards it, as FSDP2 does (seed the same on every rank);
+    * ``scheduler(optimizer)`` (optional): builds an LR scheduler;
+    * other keyword arguments: plain values (``state.epoch += 1``) and objects with a
+      ``state_dict`` (an ``le.ElasticSampler``), the same on every rank.
+
+    ``state.model``, ``state.optimizer``, ``state.scheduler`` and ``state.mesh`` are rebuilt at
+    every reset: read them at the top of the training function, not before ``@le.run``.
+    Reset callbacks run after the state is restored (they see the new optimizer).
+    """
+
+    def __init__(self, model: ModelFactory, shard: ShardFunction, optimizer: OptimizerFactory, *,
+                 init_weights: Callable[[torch.nn.Module], None] | None = None,
+                 scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 worker: ElasticWorker | None = None, **values: Any) -> None:
+        super().__init__(worker)
+        for name, fn in (("model", model), ("shard", shard), ("optimizer", optimizer)):
+            if not callable(fn):
+                raise TypeError(f"ShardedState: {name} must be a function (see help(le.ShardedState)), "
+                                f"got {type(fn).__name__}")
+        put = object.__setattr__
+        put(self, "_factories", (model, shard, optimizer, init_weights, scheduler))
+        put(self, "_names", list(values))
+        for name, value in values.items():
+            put(self, name, value)
+        put(self, "_live", None)  # (model, optimizer, scheduler, mesh) of this round
+        put(self, "_layout", None)  # this round's Layout
+        put(self, "_version", 0)  # commits so far, the same count on every rank
+        put(self, "_committed_live", False)  # the live state is the newest commit
+        put(self, "_callbacks_due", False)
+        # The commit: own rows, rest of the state, and the copy held for another rank.
+        put(self, "_own", None)
+        put(self, "_own_rest", None)
+        put(self, "_own_version", NONE)
+        put(self, "_held", None)
+        put(self, "_held_version", NONE)
+        put(self, "_commit_layout", None)
+        put(self, "_said_coverage", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and name not in self._names:
+            self._names.append(name)
+        object.__setattr__(self, name, value)
+
+    # ----- what the training function uses ------------------------------------------------
+
+    def _built(self) -> tuple[Any, ...]:
+        if self._live is None:
+            raise RuntimeError("ShardedState: the model is built when the training function starts (@le.run) and "
+                               "rebuilt at every reset: read state.model inside the function")
+        return self._live
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._built()[0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._built()[1]
+
+    @property
+    def scheduler(self) -> Any:
+        return self._built()[2]
+
+    @property
+    def mesh(self) -> Any:
+        return self._built()[3]
+
+    @property
+    def committed_bytes(self) -> int:
+        """Host bytes of this rank's commit: its own rows plus the copy it holds."""
+        return sum(r.nbytes for r in (self._own, self._held) if r is not None)
+
+    # ----- commit --------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        self.save()
+        self.worker.note_commit()
+        self.offer_snapshot()
+        self.worker.check_host_updates()  # if it raises, the live state is this commit
+
+    def check_host_updates(self) -> None:
+        object.__setattr__(self, "_committed_live", False)  # the live state may be past the commit
+        super().check_host_updates()
+
+    def save(self) -> None:
+        """Commit: this rank's rows into its host buffer, then the copy for its holder."""
+        worker = self.worker
+        a = worker.assignment
+        layout = self._layout
+        entries, tensors, rest = self._split_live()
+        version = self._version + 1
+        put = object.__setattr__
+        own, held = self._own, self._held
+        if own is None or own.entries != tuple(entries) or self._commit_layout != layout:
+            # A new layout: both buffers go before new ones are made (two copies of the
+            # state at most, never four; the commit being replaced is lost meanwhile).
+            put(self, "_own", None)
+            put(self, "_held", None)
+            own = held = None
+        if own is None:
+            own = RankRows(entries, a.rank, a.size, pinned=worker.device.type == "cuda")
+            put(self, "_own", own)
+        put(self, "_commit_layout", layout)
+        put(self, "_own_version", NONE)  # torn until every row is in
+        put(self, "_held_version", NONE)
+        with torch.no_grad():
+            for index, tensor in enumerate(tensors):
+                own.view(index).copy_(tensor)
+        put(self, "_own_rest", to_host(rest))
+        put(self, "_own_version", version)
+        put(self, "_version", version)
+        if layout.shift:
+            covered = layout.covered(a.rank)
+            if held is None:
+                held = RankRows(entries, covered, a.size, pinned=worker.device.type == "cuda")
+                put(self, "_held", held)
+            exchange.swap_copies(own.buffer, held.buffer, layout.holder(a.rank), covered, worker.device,
+                                 worker.wait_collective)
+            put(self, "_held_version", version)
+        put(self, "_committed_live", True)
+
+    def keep_live(self) -> None:
+        """Hosts changed: every rank stopped at the same step, so the live state is committed
+        (if it is newer than the commit) on the old group, then rebuilt on the new one."""
+        if not self._committed_live:
+            try:
+                self.save()
+            except Exception as err:  # a peer lost now: the newest whole commit is used instead
+                log.warning("Rank %d: committing the live state at the host change failed (%s); the newest "
+                            "whole commit is restored instead.", self.worker.assignment.rank, err)
+        self._drop_live()
+
+    def restore(self) -> None:
+        """A peer was lost: the live state goes; the commit is restored when the new round forms."""
+        self._drop_live()
+
+    def _drop_live(self) -> None:
+        object.__setattr__(self, "_live", None)
+        object.__setattr__(self, "_committed_live", False)
+
+    def _split_live(self) -> tuple[list[Entry], list[torch.Tensor], dict[str, Any]]:
+        """The sharded tensors (entries and local rows) and the rest of the state."""
+        model, optimizer, scheduler, _ = self._built()
+        entries: list[Entry] = []
+        tensors: list[torch.Tensor] = []
+        whole: dict[str, torch.Tensor] = {}
+        optimizer_rest: dict[str, dict[str, Any]] = {}
+        fqn_of: dict[int, str] = {}
+        for fqn, param in model.named_parameters():
+            fqn_of[id(param)] = fqn
+            if isinstance(param, DTensor):
+                _check_sharding(fqn, param)
+                entries.append(Entry(("model", fqn), tuple(param.shape), param.dtype))
+                tensors.append(param.to_local())
+            else:
+                whole[fqn] = param.detach()
+            for name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, DTensor):
+                    _check_sharding(f"{fqn} ({name})", value)
+                    entries.append(Entry(("optimizer", fqn, name), tuple(value.shape), value.dtype))
+                    tensors.append(value.to_local())
+                else:
+                    optimizer_rest.setdefault(fqn, {})[name] = value
+        for fqn, buffer in model.named_buffers():
+            whole[fqn] = buffer
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [fqn_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+        rest = {
+            "model": whole,
+            "optimizer": {"state": optimizer_rest, "param_groups": groups},
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "values": {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))},
+            "stateful": {n: getattr(self, n).state_dict() for n in self._names if _is_stateful(getattr(self, n))},
+        }
+        return entries, tensors, rest
+
+    # ----- a new round ----------------------------------------------------------------------
+
+    def on_reset(self) -> None:
+        # Called before sync; the callbacks need the rebuilt optimizer: run at sync's end.
+        object.__setattr__(self, "_callbacks_due", True)
+
+    def sync(self) -> None:
+        """Every member: say what it holds, agree on a commit, build the model on this round's
+        mesh and move that commit's rows into it (or start fresh, or fall back to a snapshot)."""
+        worker = self.worker
+        a = worker.assignment
+        device, wait = worker.device, worker.wait_collective
+        hosts = collectives.all_gather_object(a.hostname, device, wait) if a.size > 1 else [a.hostname]
+        layout = Layout(a.round, a.size, holder_shift(hosts))
+        object.__setattr__(self, "_layout", layout)
+        holdings = collectives.all_gather_object(self._holding(), device, wait) if a.size > 1 else [self._holding()]
+        choice = choose_commit(holdings)
+        if isinstance(choice, Restore):
+            self._restore(choice)
+        elif isinstance(choice, Lost):
+            self._restore_lost(choice)
+        else:
+            assert isinstance(choice, Fresh)
+            self._build(fresh=True)
+        self._say_coverage(hosts, layout)
+        if self._callbacks_due:
+            object.__setattr__(self, "_callbacks_due", False)
+            super().on_reset()
+
+    def _holding(self) -> Holding:
+        layout = self._commit_layout
+        if layout is None or self._own is None:
+            return Holding(None)
+        held_rank = self._held.rank if self._held is not None else NONE
+        return Holding(layout, own_rank=self._own.rank if self._own_version != NONE else NONE,
+                       own_version=self._own_version, held_rank=held_rank,
+                       held_version=self._held_version if held_rank != NONE else NONE)
+
+    def _build(self, fresh: bool) -> None:
+        """This round's model, optimizer and scheduler: real weights only when ``fresh`` and no
+        ``init_weights`` was given; else on the meta device, then allocated shard by shard."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        make_model, shard, make_optimizer, init_weights, make_scheduler = self._factories
+        worker = self.worker
+        self._drop_live()
+        mesh = init_device_mesh(worker.device.type, (worker.assignment.size,), mesh_dim_names=("dp",))
+        if fresh and init_weights is None:
+            model = make_model()
+        else:
+            with torch.device("meta"):
+                model = make_model()
+        shard(model, mesh)
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            model.to_empty(device=worker.device)
+            if fresh and init_weights is not None:
+                with torch.no_grad():
+                    init_weights(model)
+        optimizer = make_optimizer(model.parameters())
+        scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
+        object.__setattr__(self, "_live", (model, optimizer, scheduler, mesh))
+        if fresh:
+            object.__setattr__(self, "_version", 0)
+
+    def _restore(self, choice: Restore) -> None:
+        worker = self.worker
+        a = worker.assignment
+        device, wait = worker.device, worker.wait_collective
+        mine = (self._own.entries, self._own_rest) if a.rank == choice.replicated_from else None
+        entries, rest = (collectives.broadcast_object(mine, a.rank, choice.replicated_from, device, wait)
+                         if a.size > 1 else mine)
+        if a.rank == choice.replicated_from:
+            rest = to_host(rest)  # the live values must not be the commit's own objects
+        self._build(fresh=False)
+        destinations = self._allocate(entries, rest)
+        transfers = plan_transfers(choice.sources, choice.layout.world, a.size, [e.rows for e in entries])
+
+        def source(t: Transfer) -> torch.Tensor:
+            rows = self._held if t.held else self._own
+            assert rows is not None and rows.rank == t.old_rank, (t, rows and rows.rank)
+            return rows.view(t.entry)[t.src_row:t.src_row + t.rows]
+
+        def destination(t: Transfer) -> torch.Tensor:
+            return destinations[t.entry][t.dst_row:t.dst_row + t.rows]
+
+        received = exchange.run_transfers(transfers, a.rank, source, destination, device, wait)
+        self._load_rest(rest)
+        object.__setattr__(self, "_version", choice.version)
+        object.__setattr__(self, "_committed_live", False)
+        log.info("Rank %d: restored commit %d (world size %d -> %d); %.1f MB received from peers.",
+                 a.rank, choice.version, choice.layout.world, a.size, received / 1e6)
+
+    def _restore_lost(self, lost: Lost) -> None:
+        # Until durable sharded snapshots are wired in, a lost commit ends the job clearly.
+        raise ElasticError(f"sharded state lost from memory: {lost.reason}; no --snapshot-dir to resume from")
+
+    def _allocate(self, entries: tuple[Entry, ...], rest: dict[str, Any]) -> list[torch.Tensor]:
+        """The new model's local rows for every entry, with the optimizer's state created
+        (zeros, sharded like its parameter) to receive its rows."""
+        model, optimizer, _, _ = self._built()
+        params = dict(model.named_parameters())
+        local: list[torch.Tensor] = []
+        for entry in entries:
+            kind, fqn = entry.key[0], entry.key[1]
+            param = params.get(fqn)
+            if param is None or tuple(param.shape) != entry.shape:
+                raise ElasticError(f"ShardedState: the committed state has {'.'.join(entry.key)} of shape "
+                                   f"{list(entry.shape)}, the rebuilt model {list(param.shape) if param is not None else 'nothing'}"
+                                   " (does model() build the same model every time?)")
+            if kind == "model":
+                local.append(param.to_local())
+            else:
+                state = optimizer.state[param]
+                state[entry.key[2]] = torch.zeros_like(param, dtype=entry.dtype)
+                local.append(state[entry.key[2]].to_local())
+        return local
+
+    def _load_rest(self, rest: dict[str, Any]) -> None:
+        model, optimizer, scheduler, _ = self._built()
+        params = dict(model.named_parameters())
+        whole = dict(model.named_buffers())
+        whole.update((fqn, p) for fqn, p in params.items() if not isinstance(p, DTensor))
+        with torch.no_grad():
+            for fqn, tensor in rest["model"].items():
+                whole[fqn].copy_(tensor)
+        for fqn, values in rest["optimizer"]["state"].items():
+            optimizer.state[params[fqn]].update(
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+        for group, saved in zip(optimizer.param_groups, rest["optimizer"]["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if scheduler is not None and rest["scheduler"] is not None:
+            scheduler.load_state_dict(rest["scheduler"])
+        for name, value in rest["values"].items():
+            object.__setattr__(self, name, value)
+            if name not in self._names:
+                self._names.append(name)
+        for name, saved in rest["stateful"].items():
+            getattr(self, name).load_state_dict(saved)
+
+    def _say_coverage(self, hosts: list[str], layout: Layout) -> None:
+        said = (len(hosts), len(set(hosts)), layout.shift)
+        if self.worker.assignment.rank != 0 or self._said_coverage == said:
+            return
+        object.__setattr__(self, "_said_coverage", said)
+        if layout.shift == 0:
+            log.info("Sharded state: one rank, no copy of its commit held elsewhere.")
+        elif covers_hosts(hosts, layout.shift):
+            log.info("Sharded state: %d ranks on %d hosts; each commit's rows are copied to rank + %d, on "
+                     "another host: one lost host loses nothing.", len(hosts), len(set(hosts)), layout.shift)
+        elif len(set(hosts)) == 1:
+            log.info("Sharded state: %d ranks on one host; each commit's rows are copied to the next rank: "
+                     "one lost rank loses nothing (the host lost needs --snapshot-dir).", len(hosts))
+        else:
+            busiest = max(set(hosts), key=hosts.count)
+            log.info("Sharded state: %d ranks on %d hosts; each commit's rows are copied to the next rank: one "
+                     "lost rank loses nothing; %s holds more than half of the ranks, so losing it needs "
+                     "--snapshot-dir.", len(hosts), len(set(hosts)), busiest)
+
+
+def _check_sharding(name: str, tensor: DTensor) -> None:
+    if tensor.device_mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
+        raise ElasticError(f"ShardedState: {name} is placed as {tuple(tensor.placements)} on a "
+                           f"{tensor.device_mesh.ndim}-D mesh; expected FSDP2's Shard(0) on the 1-D mesh the "
+                           "state gives shard() (tensor parallelism is not supported)")
