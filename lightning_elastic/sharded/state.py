@@ -28,27 +28,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
 from lightning_elastic.commit import collectives
 from lightning_elastic.errors import ElasticError
 from lightning_elastic.membership.worker import ElasticWorker
-from lightning_elastic.sharded import exchange
-from lightning_elastic.sharded.layout import (
-    NONE,
-    Fresh,
-    Holding,
-    Layout,
-    Lost,
-    Restore,
-    Transfer,
-    choose_commit,
-    covers_hosts,
-    holder_shift,
-    plan_transfers,
-)
-from lightning_elastic.sharded.rows import Entry, RankRows
-from lightning_elastic.training.state import State, _is_stateful, to_host
+from lightning_elastic.sharded import parts
+from lightning_elastic.sharded.commit import ShardedCommit
+from lightning_elastic.sharded.layout import Fresh, Layout, Lost, Restore, choose_commit, covers_hosts, holder_shift
+from lightning_elastic.sharded.rows import Entry
+from lightning_elastic.training.state import State, _is_stateful
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +81,9 @@ class ShardedState(State):
             put(self, name, value)
         put(self, "_live", None)  # (model, optimizer, scheduler, mesh) of this round
         put(self, "_layout", None)  # this round's Layout
-        put(self, "_version", 0)  # commits so far, the same count on every rank
         put(self, "_committed_live", False)  # the live state is the newest commit
         put(self, "_callbacks_due", False)
-        # The commit: own rows, rest of the state, and the copy held for another rank.
-        put(self, "_own", None)
-        put(self, "_own_rest", None)
-        put(self, "_own_version", NONE)
-        put(self, "_held", None)
-        put(self, "_held_version", NONE)
-        put(self, "_commit_layout", None)
+        put(self, "_commit", ShardedCommit())  # own rows, the rest, the copy held for a peer
         put(self, "_said_coverage", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -137,7 +118,7 @@ class ShardedState(State):
     @property
     def committed_bytes(self) -> int:
         """Host bytes of this rank's commit: its own rows plus the copy it holds."""
-        return sum(r.nbytes for r in (self._own, self._held) if r is not None)
+        return self._commit.nbytes
 
     # ----- commit --------------------------------------------------------------------------
 
@@ -154,39 +135,10 @@ class ShardedState(State):
     def save(self) -> None:
         """Commit: this rank's rows into its host buffer, then the copy for its holder."""
         worker = self.worker
-        a = worker.assignment
-        layout = self._layout
         entries, tensors, rest = self._split_live()
-        version = self._version + 1
-        put = object.__setattr__
-        own, held = self._own, self._held
-        if own is None or own.entries != tuple(entries) or self._commit_layout != layout:
-            # A new layout: both buffers go before new ones are made (two copies of the
-            # state at most, never four; the commit being replaced is lost meanwhile).
-            put(self, "_own", None)
-            put(self, "_held", None)
-            own = held = None
-        if own is None:
-            own = RankRows(entries, a.rank, a.size, pinned=worker.device.type == "cuda")
-            put(self, "_own", own)
-        put(self, "_commit_layout", layout)
-        put(self, "_own_version", NONE)  # torn until every row is in
-        put(self, "_held_version", NONE)
-        with torch.no_grad():
-            for index, tensor in enumerate(tensors):
-                own.view(index).copy_(tensor)
-        put(self, "_own_rest", to_host(rest))
-        put(self, "_own_version", version)
-        put(self, "_version", version)
-        if layout.shift:
-            covered = layout.covered(a.rank)
-            if held is None:
-                held = RankRows(entries, covered, a.size, pinned=worker.device.type == "cuda")
-                put(self, "_held", held)
-            exchange.swap_copies(own.buffer, held.buffer, layout.holder(a.rank), covered, worker.device,
-                                 worker.wait_collective)
-            put(self, "_held_version", version)
-        put(self, "_committed_live", True)
+        self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device,
+                          worker.wait_collective)
+        object.__setattr__(self, "_committed_live", True)
 
     def keep_live(self) -> None:
         """Hosts changed: every rank stopped at the same step, so the live state is committed
@@ -210,37 +162,10 @@ class ShardedState(State):
     def _split_live(self) -> tuple[list[Entry], list[torch.Tensor], dict[str, Any]]:
         """The sharded tensors (entries and local rows) and the rest of the state."""
         model, optimizer, scheduler, _ = self._built()
-        entries: list[Entry] = []
-        tensors: list[torch.Tensor] = []
-        whole: dict[str, torch.Tensor] = {}
-        optimizer_rest: dict[str, dict[str, Any]] = {}
-        fqn_of: dict[int, str] = {}
-        for fqn, param in model.named_parameters():
-            fqn_of[id(param)] = fqn
-            if isinstance(param, DTensor):
-                _check_sharding(fqn, param)
-                entries.append(Entry(("model", fqn), tuple(param.shape), param.dtype))
-                tensors.append(param.to_local())
-            else:
-                whole[fqn] = param.detach()
-            for name, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, DTensor):
-                    _check_sharding(f"{fqn} ({name})", value)
-                    entries.append(Entry(("optimizer", fqn, name), tuple(value.shape), value.dtype))
-                    tensors.append(value.to_local())
-                else:
-                    optimizer_rest.setdefault(fqn, {})[name] = value
-        for fqn, buffer in model.named_buffers():
-            whole[fqn] = buffer
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [fqn_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-        rest = {
-            "model": whole,
-            "optimizer": {"state": optimizer_rest, "param_groups": groups},
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "values": {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))},
-            "stateful": {n: getattr(self, n).state_dict() for n in self._names if _is_stateful(getattr(self, n))},
-        }
+        entries, tensors, rest = parts.split(model, optimizer)
+        rest["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+        rest["values"] = {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))}
+        rest["stateful"] = {n: getattr(self, n).state_dict() for n in self._names if _is_stateful(getattr(self, n))}
         return entries, tensors, rest
 
     # ----- a new round ----------------------------------------------------------------------
@@ -258,7 +183,8 @@ class ShardedState(State):
         hosts = collectives.all_gather_object(a.hostname, device, wait) if a.size > 1 else [a.hostname]
         layout = Layout(a.round, a.size, holder_shift(hosts))
         object.__setattr__(self, "_layout", layout)
-        holdings = collectives.all_gather_object(self._holding(), device, wait) if a.size > 1 else [self._holding()]
+        mine = self._commit.holding()
+        holdings = collectives.all_gather_object(mine, device, wait) if a.size > 1 else [mine]
         choice = choose_commit(holdings)
         if isinstance(choice, Restore):
             self._restore(choice)
@@ -271,15 +197,6 @@ class ShardedState(State):
         if self._callbacks_due:
             object.__setattr__(self, "_callbacks_due", False)
             super().on_reset()
-
-    def _holding(self) -> Holding:
-        layout = self._commit_layout
-        if layout is None or self._own is None:
-            return Holding(None)
-        held_rank = self._held.rank if self._held is not None else NONE
-        return Holding(layout, own_rank=self._own.rank if self._own_version != NONE else NONE,
-                       own_version=self._own_version, held_rank=held_rank,
-                       held_version=self._held_version if held_rank != NONE else NONE)
 
     def _build(self, fresh: bool) -> None:
         """This round's model, optimizer and scheduler: real weights only when ``fresh`` and no
@@ -305,33 +222,19 @@ class ShardedState(State):
         scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
         object.__setattr__(self, "_live", (model, optimizer, scheduler, mesh))
         if fresh:
-            object.__setattr__(self, "_version", 0)
+            self._commit.version = 0
 
     def _restore(self, choice: Restore) -> None:
         worker = self.worker
         a = worker.assignment
-        device, wait = worker.device, worker.wait_collective
-        mine = (self._own.entries, self._own_rest) if a.rank == choice.replicated_from else None
-        entries, rest = (collectives.broadcast_object(mine, a.rank, choice.replicated_from, device, wait)
-                         if a.size > 1 else mine)
-        if a.rank == choice.replicated_from:
-            rest = to_host(rest)  # the live values must not be the commit's own objects
-        self._build(fresh=False)
-        destinations = self._allocate(entries, rest)
-        transfers = plan_transfers(choice.sources, choice.layout.world, a.size, [e.rows for e in entries])
 
-        def source(t: Transfer) -> torch.Tensor:
-            rows = self._held if t.held else self._own
-            assert rows is not None and rows.rank == t.old_rank, (t, rows and rows.rank)
-            return rows.view(t.entry)[t.src_row:t.src_row + t.rows]
+        def rebuild(entries: tuple[Entry, ...], rest: Any) -> dict[int, torch.Tensor]:
+            self._build(fresh=False)
+            model, optimizer, _, _ = self._built()
+            return parts.allocate(model, optimizer, entries)
 
-        def destination(t: Transfer) -> torch.Tensor:
-            return destinations[t.entry][t.dst_row:t.dst_row + t.rows]
-
-        received = exchange.run_transfers(transfers, a.rank, source, destination, device, wait)
+        rest, received = self._commit.restore(choice, a.rank, a.size, worker.device, worker.wait_collective, rebuild)
         self._load_rest(rest)
-        object.__setattr__(self, "_version", choice.version)
-        object.__setattr__(self, "_committed_live", False)
         log.info("Rank %d: restored commit %d (world size %d -> %d); %.1f MB received from peers.",
                  a.rank, choice.version, choice.layout.world, a.size, received / 1e6)
 
@@ -339,40 +242,9 @@ class ShardedState(State):
         # Until durable sharded snapshots are wired in, a lost commit ends the job clearly.
         raise ElasticError(f"sharded state lost from memory: {lost.reason}; no --snapshot-dir to resume from")
 
-    def _allocate(self, entries: tuple[Entry, ...], rest: dict[str, Any]) -> list[torch.Tensor]:
-        """The new model's local rows for every entry, with the optimizer's state created
-        (zeros, sharded like its parameter) to receive its rows."""
-        model, optimizer, _, _ = self._built()
-        params = dict(model.named_parameters())
-        local: list[torch.Tensor] = []
-        for entry in entries:
-            kind, fqn = entry.key[0], entry.key[1]
-            param = params.get(fqn)
-            if param is None or tuple(param.shape) != entry.shape:
-                raise ElasticError(f"ShardedState: the committed state has {'.'.join(entry.key)} of shape "
-                                   f"{list(entry.shape)}, the rebuilt model {list(param.shape) if param is not None else 'nothing'}"
-                                   " (does model() build the same model every time?)")
-            if kind == "model":
-                local.append(param.to_local())
-            else:
-                state = optimizer.state[param]
-                state[entry.key[2]] = torch.zeros_like(param, dtype=entry.dtype)
-                local.append(state[entry.key[2]].to_local())
-        return local
-
     def _load_rest(self, rest: dict[str, Any]) -> None:
         model, optimizer, scheduler, _ = self._built()
-        params = dict(model.named_parameters())
-        whole = dict(model.named_buffers())
-        whole.update((fqn, p) for fqn, p in params.items() if not isinstance(p, DTensor))
-        with torch.no_grad():
-            for fqn, tensor in rest["model"].items():
-                whole[fqn].copy_(tensor)
-        for fqn, values in rest["optimizer"]["state"].items():
-            optimizer.state[params[fqn]].update(
-                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()})
-        for group, saved in zip(optimizer.param_groups, rest["optimizer"]["param_groups"], strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        parts.load_rest(model, optimizer, rest)
         if scheduler is not None and rest["scheduler"] is not None:
             scheduler.load_state_dict(rest["scheduler"])
         for name, value in rest["values"].items():
@@ -400,10 +272,3 @@ class ShardedState(State):
             log.info("Sharded state: %d ranks on %d hosts; each commit's rows are copied to the next rank: one "
                      "lost rank loses nothing; %s holds more than half of the ranks, so losing it needs "
                      "--snapshot-dir.", len(hosts), len(set(hosts)), busiest)
-
-
-def _check_sharding(name: str, tensor: DTensor) -> None:
-    if tensor.device_mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
-        raise ElasticError(f"ShardedState: {name} is placed as {tuple(tensor.placements)} on a "
-                           f"{tensor.device_mesh.ndim}-D mesh; expected FSDP2's Shard(0) on the 1-D mesh the "
-                           "state gives shard() (tensor parallelism is not supported)")
