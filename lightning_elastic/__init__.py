@@ -96,6 +96,7 @@ __all__ = [
     "ElasticCallback",
     "ElasticStrategy",
     "ScaleLearningRate",
+    "ShardedState",
     "ElasticError",
     "ElasticFabricStrategy",
     "ElasticSampler",
