@@ -24,6 +24,7 @@ with one line saying so.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -226,16 +227,24 @@ class ShardedState(State):
     def _restore(self, choice: Restore) -> None:
         worker = self.worker
         a = worker.assignment
+        started = time.monotonic()
+        rebuilt: list[float] = []  # when the rebuild began and ended
 
         def rebuild(entries: tuple[Entry, ...], rest: Any) -> dict[int, torch.Tensor]:
+            rebuilt.append(time.monotonic())
             self._build(fresh=False)
             model, optimizer, _, _ = self._built()
-            return parts.allocate(model, optimizer, entries)
+            local = parts.allocate(model, optimizer, entries)
+            rebuilt.append(time.monotonic())
+            return local
 
         rest, received = self._commit.restore(choice, a.rank, a.size, worker.device, worker.wait_collective, rebuild)
+        moved = time.monotonic()  # the rest came first (a broadcast), then the rebuild, then the rows
         self._load_rest(rest)
-        log.info("Rank %d: restored commit %d (world size %d -> %d); %.1f MB received from peers.",
-                 a.rank, choice.version, choice.layout.world, a.size, received / 1e6)
+        log.info("Rank %d: restored commit %d (world size %d -> %d); %.1f MB received from peers in %.2f s "
+                 "(whole restore %.2f s, of which model and optimizer rebuilt in %.2f s).",
+                 a.rank, choice.version, choice.layout.world, a.size, received / 1e6, moved - rebuilt[1],
+                 time.monotonic() - started, rebuilt[1] - rebuilt[0])
 
     def _restore_lost(self, lost: Lost) -> None:
         # Until durable sharded snapshots are wired in, a lost commit ends the job clearly.
@@ -271,3 +280,4 @@ class ShardedState(State):
             log.info("Sharded state: %d ranks on %d hosts; each commit's rows are copied to the next rank: one "
                      "lost rank loses nothing; %s holds more than half of the ranks, so losing it needs "
                      "--snapshot-dir.", len(hosts), len(set(hosts)), busiest)
+
