@@ -156,6 +156,8 @@ class ShardedState(State):
         self._drop_live()
 
     def _drop_live(self) -> None:
+        if self._live is not None:
+            _release(self._live[0], self._live[1], self.worker.assignment.rank)
         object.__setattr__(self, "_live", None)
         object.__setattr__(self, "_committed_live", False)
 
@@ -281,3 +283,27 @@ class ShardedState(State):
                      "lost rank loses nothing; %s holds more than half of the ranks, so losing it needs "
                      "--snapshot-dir.", len(hosts), len(set(hosts)), busiest)
 
+
+def _release(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """Free a dropped model's large tensors now, not when the cyclic garbage collector runs.
+
+    FSDP2's modules reference themselves through their hooks, so a dropped model and its
+    optimizer are freed only by a full collection, which Python starts by itself only once
+    tens of thousands of new objects have outlived younger collections (many resets, each
+    leaving a model behind), and which costs ~0.3 s with torch imported (~300k objects): too
+    slow to run at every reset. The unsharded parameters (still gathered when a step was
+    interrupted between forward and backward), the gradients and the optimizer's moments go
+    at once here, so the next model reuses their memory; the sharded parameters and the
+    small rest wait for the collector. Called only once the live state is committed or given up.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        model.zero_grad(set_to_none=True)
+        optimizer.state.clear()
+    except Exception as err:  # the next round must form regardless: the collector frees it later
+        log.warning("Rank %d: freeing the previous round's model early failed (%s: %s); it is freed by the "
+                    "garbage collector instead.", rank, type(err).__name__, err)
