@@ -104,6 +104,7 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "ObjectState",
     "RendezvousError",
+    "ShardedState",
     "SlotInfo",
     "State",
     "TorchState",
