@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--meta-init", action="store_true",
                         help="build on the meta device and initialise the shards (a model too large for one device)")
     parser.add_argument("--events", type=Path, help="directory for per-worker JSON-lines event logs")
+    parser.add_argument("--memory", action="store_true",
+                        help="log this process's peak resident memory around commits and restores (Linux)")
     parser.add_argument("--digests", action="store_true",
                         help="after every commit and sync, log a digest of the whole state (gathers it: tests only)")
     faults = parser.add_argument_group("fault injection")
@@ -115,6 +117,19 @@ def state_digest(state: le.ShardedState) -> str:
     return h.hexdigest()
 
 
+def peak_rss(field: str = "VmHWM") -> int:
+    """This process's peak resident bytes since the last ``reset_peak`` (VmHWM), or its
+    resident bytes now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current size
+
+
 def optimizer_steps(state: le.ShardedState) -> list[float]:
     return [float(s["step"]) for s in state.optimizer.state.values() if "step" in s]
 
@@ -147,10 +162,23 @@ def main() -> None:
     state.register_reset_callbacks([on_reset])
     events.emit("start", host=hostname, local_rank=le.local_rank())
 
+    # --memory: the peak since the end of the previous step (or commit), with the resident
+    # size then and the commit's size: what a commit and a restore add to the live state.
+    memory: dict[str, int] = {"before": 0, "committed": 0}
+
+    def mark() -> None:
+        reset_peak()
+        memory["before"] = peak_rss("VmRSS")
+
     @le.run
     def train(state: le.ShardedState) -> None:
         model, optimizer = state.model, state.optimizer
         round_number = le.current_worker().assignment.round
+        if args.memory:
+            if memory["committed"]:  # since the end of the last step: its failure and the restore
+                events.emit("memory", phase="restore", peak=peak_rss(), before=memory["before"],
+                            committed_bytes=memory["committed"], round=round_number)
+            mark()
         events.emit("synced", epoch=state.epoch, step=state.step, round=round_number,
                     digest=state_digest(state) if args.digests else "", optimizer_steps=optimizer_steps(state))
         while state.epoch < args.epochs:
@@ -168,9 +196,17 @@ def main() -> None:
                 state.seen.extend(i for part in seen for i in part)
                 sampler.record_batch(batch_idx, args.batch_size)
                 state.step += 1
-                events.emit("step", epoch=state.epoch, step=state.step, loss=loss.item(), real=len(real))
+                events.emit("step", epoch=state.epoch, step=state.step, loss=loss.item(), real=len(real),
+                            round=round_number)
+                if args.memory:
+                    mark()
                 if state.step % args.commit_every == 0:
                     state.commit()
+                    if args.memory:
+                        memory["committed"] = state.committed_bytes
+                        events.emit("memory", phase="commit", peak=peak_rss(), before=memory["before"],
+                                    committed_bytes=state.committed_bytes, round=round_number)
+                        mark()
                     if args.digests:
                         events.emit("commit", step=state.step, digest=state_digest(state),
                                     optimizer_steps=optimizer_steps(state), round=round_number)

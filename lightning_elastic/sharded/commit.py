@@ -41,7 +41,7 @@ class ShardedCommit:
         return sum(r.nbytes for r in (self.own, self.held) if r is not None)
 
     def save(self, entries: Sequence[Entry], tensors: Sequence[torch.Tensor], rest: Any, layout: Layout,
-             rank: int, device: torch.device, wait: Wait, keep_own: bool = True) -> None:
+             rank: int, device: torch.device, keep_own: bool = True) -> None:
         """Commit ``tensors`` (this rank's rows of ``entries``) and ``rest``, then swap copies
         with the holder and the covered rank of ``layout``. ``keep_own=False``: the own buffer
         is still in use elsewhere (a snapshot being written): make a new one."""
@@ -69,7 +69,7 @@ class ShardedCommit:
         covered = layout.covered(rank)
         if held is None:
             held = self.held = RankRows(entries, covered, layout.world, pinned=pinned)
-        exchange.swap_copies(own.buffer, held.buffer, layout.holder(rank), covered, device, wait)
+        exchange.swap_copies(own.buffer, held.buffer, layout.holder(rank), covered, device)
         self.held_version = self.version
 
     def holding(self) -> Holding:
@@ -102,6 +102,6 @@ class ShardedCommit:
         def destination(t: Transfer) -> torch.Tensor:
             return destinations[t.entry][t.dst_row:t.dst_row + t.rows]
 
-        received = exchange.run_transfers(transfers, me, source, destination, device, wait)
+        received = exchange.run_transfers(transfers, me, source, destination, device)
         self.version = choice.version
         return rest, received

@@ -135,8 +135,7 @@ class ShardedState(State):
         """Commit: this rank's rows into its host buffer, then the copy for its holder."""
         worker = self.worker
         entries, tensors, rest = self._split_live()
-        self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device,
-                          worker.wait_collective)
+        self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device)
         object.__setattr__(self, "_committed_live", True)
 
     def keep_live(self) -> None:
