@@ -189,7 +189,7 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         finally:
             self._weights_in_rows = False
         entries, tensors, rest = split_fit(self.lightning_module, trainer.optimizers, checkpoint, info)
-        self._commit.save(entries, tensors, rest, self._layout, a.rank, worker.device, worker.wait_collective)
+        self._commit.save(entries, tensors, rest, self._layout, a.rank, worker.device)
         worker.note_commit()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
