@@ -50,8 +50,9 @@ class ElasticCallback(Callback):
     commit at the first step of every fit attempt, then as often as keeps commits to about
     ``commit_budget`` of the training time (1 %), but at least every ``max_redo_seconds``
     of training (10 s; what a lost worker can make the others redo). Each rank paces
-    itself: a new world resumes from the newest commit among its ranks. Pass an integer for
-    commits on a fixed grid, 1 for a commit at every step.
+    itself: a new world resumes from the newest commit among its ranks; with a strategy whose
+    commits are collectives (``elastic_fsdp``) every interval is the largest among the ranks.
+    Pass an integer for commits on a fixed grid, 1 for a commit at every step.
 
     Long phases between two training batches (a validation pass, ``on_train_epoch_end``)
     are checked for host changes too, at each validation batch end, at the validation's end
