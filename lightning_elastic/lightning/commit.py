@@ -123,7 +123,13 @@ def checkpoint_for_lightning(committed: Committed, world_size: int) -> dict[str,
     checkpoint = {
         key: join(part, committed.tensors, clone=key != MODEL_KEY) for key, part in committed.skeleton.items()
     }
-    info: CommitInfo = committed.meta
+    return resume_checkpoint(checkpoint, committed.meta, world_size)
+
+
+def resume_checkpoint(checkpoint: dict[str, Any], info: CommitInfo, world_size: int) -> dict[str, Any]:
+    """``checkpoint`` (a commit's Lightning checkpoint dict, changed in place) made ready for
+    Lightning to resume at ``world_size``: the commit's RNG states set, its epoch progress
+    rescaled (``checkpoint_for_lightning`` says how)."""
     compat.set_rng_states(info.rng)
     position = info.sampler
     progress = compat.batch_progress(checkpoint)

@@ -43,6 +43,7 @@ __all__ = [
     "prepare_to_fit_again",
     "replace_sampler",
     "set_logger_version",
+    "set_device_mesh",
     "set_rng_states",
     "route_sigterm",
 ]
@@ -255,3 +256,8 @@ def ddp_kwargs_replaced(strategy: Any, kwargs: dict[str, Any]) -> Iterator[None]
         yield
     finally:
         strategy._ddp_kwargs = saved
+
+
+def set_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
+    """What ``self.device_mesh`` gives ``configure_model`` (as Lightning's ``ModelParallelStrategy`` sets it)."""
+    module._device_mesh = mesh

@@ -39,7 +39,8 @@ from lightning_elastic.errors import ElasticError
 from lightning_elastic.membership.worker import ElasticWorker
 from lightning_elastic.sharded import parts, snapshot_tree
 from lightning_elastic.sharded.commit import ShardedCommit
-from lightning_elastic.sharded.layout import Fresh, Layout, Lost, Restore, choose_commit, covers_hosts, holder_shift
+from lightning_elastic.sharded.agreement import agree
+from lightning_elastic.sharded.layout import Fresh, Layout, Lost, Restore, describe_coverage
 from lightning_elastic.sharded.rows import Entry
 from lightning_elastic.training.state import State, _is_stateful, info_of_state
 
@@ -225,14 +226,9 @@ class ShardedState(State):
         """Every member: say what it holds, agree on a commit, build the model on this round's
         mesh and move that commit's rows into it (or start fresh, or fall back to a snapshot)."""
         worker = self.worker
-        a = worker.assignment
-        device, wait = worker.device, worker.wait_collective
-        hosts = collectives.all_gather_object(a.hostname, device, wait) if a.size > 1 else [a.hostname]
-        layout = Layout(a.round, a.size, holder_shift(hosts))
-        object.__setattr__(self, "_layout", layout)
-        mine = self._commit.holding()
-        holdings = collectives.all_gather_object(mine, device, wait) if a.size > 1 else [mine]
-        choice = choose_commit(holdings)
+        agreed = agree(self._commit, worker.assignment, worker.device, worker.wait_collective)
+        object.__setattr__(self, "_layout", agreed.layout)
+        choice = agreed.choice
         if isinstance(choice, Restore):
             self._restore(choice)
         elif isinstance(choice, Lost):
@@ -245,8 +241,9 @@ class ShardedState(State):
                 self._build(fresh=True)
             else:
                 self._resume_from(found)
-        self._say_coverage(hosts, layout)
+        self._say_coverage(agreed.hosts, agreed.layout)
         step = self._values().get("step")
+        a = worker.assignment
         object.__setattr__(self, "_round_start", (a.round, time.monotonic(), step if isinstance(step, int) else 0))
         if self._callbacks_due:
             object.__setattr__(self, "_callbacks_due", False)
@@ -385,24 +382,12 @@ class ShardedState(State):
         for name, saved in rest["stateful"].items():
             getattr(self, name).load_state_dict(saved)
 
-    def _say_coverage(self, hosts: list[str], layout: Layout) -> None:
+    def _say_coverage(self, hosts: tuple[str, ...], layout: Layout) -> None:
         said = (len(hosts), len(set(hosts)), layout.shift)
         if self.worker.assignment.rank != 0 or self._said_coverage == said:
             return
         object.__setattr__(self, "_said_coverage", said)
-        if layout.shift == 0:
-            log.info("Sharded state: one rank, no copy of its commit held elsewhere.")
-        elif covers_hosts(hosts, layout.shift):
-            log.info("Sharded state: %d ranks on %d hosts; each commit's rows are copied to rank + %d, on "
-                     "another host: one lost host loses nothing.", len(hosts), len(set(hosts)), layout.shift)
-        elif len(set(hosts)) == 1:
-            log.info("Sharded state: %d ranks on one host; each commit's rows are copied to the next rank: "
-                     "one lost rank loses nothing (the host lost needs --snapshot-dir).", len(hosts))
-        else:
-            busiest = max(set(hosts), key=hosts.count)
-            log.info("Sharded state: %d ranks on %d hosts; each commit's rows are copied to the next rank: one "
-                     "lost rank loses nothing; %s holds more than half of the ranks, so losing it needs "
-                     "--snapshot-dir.", len(hosts), len(set(hosts)), busiest)
+        log.info("%s", describe_coverage(hosts, layout.shift))
 
 
 def _release(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
