@@ -1,5 +1,6 @@
-"""What a new world takes besides Lightning's checkpoint, and what a resumed fit does with it
-(issue 37): callback state that decides collectives, monitored metrics, the CSV log."""
+"""What a commit carries besides Lightning's checkpoint, and what a resumed fit does with it
+(issue 37): callback state that decides collectives, monitored metrics, the CSV log, and
+the warning for a training DataLoader the elastic sampler cannot stand in for."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.troubleshooting_rows import assert_documented
+
 pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset, Sampler  # noqa: E402
 
 from lightning_elastic.lightning import compat  # noqa: E402
+from lightning_elastic.lightning.strategy import _unsampled_warning  # noqa: E402
 
 
 def test_model_checkpoints_per_process_state_travels_to_a_joiner():
@@ -84,3 +89,33 @@ def test_the_old_rank_0_writes_what_it_buffered_before_a_reset(tmp_path):
     logger.log_metrics({"loss": 1.0}, step=3)
     compat.flush_csv_logs(SimpleNamespace(loggers=[logger]))
     assert [r["step"] for r in _rows(tmp_path / "run" / "version_0" / "metrics.csv")] == ["3"]
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(4)
+
+
+class EveryOther(Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(0, self.n, 2))
+
+
+@pytest.mark.parametrize(
+    ("loader", "expected"),
+    [
+        (DataLoader(Stream(), batch_size=2),
+         "lightning-elastic: the training dataset Stream is an IterableDataset, whose position cannot be restored: "
+         "after a reset its stream starts again from its beginning on every rank"),
+        (DataLoader(list(range(8)), sampler=EveryOther(8), batch_size=2),
+         "lightning-elastic: the training DataLoader of list uses the sampler EveryOther, which the elastic sampler "
+         "cannot stand in for"),
+    ],
+)
+def test_a_loader_the_elastic_sampler_cannot_stand_in_for_is_named_in_one_line(loader, expected):
+    message = _unsampled_warning(loader)
+    assert message.startswith(expected) and "\n" not in message
+    assert_documented(message)
