@@ -495,3 +495,19 @@ def test_a_discovery_script_slower_than_discovery_timeout_fails_the_launch(workd
     assert (run.code, run.lines[-1]) == (1, PREFIXES["job"] + line.text), run.stderr
     assert time.monotonic() - started < 20
     assert_documented(line)
+
+
+def test_x_pythonpath_is_merged_with_the_launchers_own_entry(workdir: Path) -> None:
+    # mpirun's and horovodrun's habit: -x PYTHONPATH forwards one's own. It must not replace
+    # the launcher's entry (lightning_elastic/_autoload), whose sitecustomize registers
+    # strategy="elastic_hvd" for a script that never imports lightning_elastic (issue 37, item 5).
+    (workdir / "mine").mkdir()
+    (workdir / "mine" / "helper_of_mine.py").write_text("FOUND = True\n")
+    (workdir / "train.py").write_text(
+        "import sys\n"
+        "import helper_of_mine  # from the PYTHONPATH given with -x\n"
+        "record = sys.modules.get('_lightning_elastic_autoload_record')\n"
+        "assert record is not None and record.installed, 'the launcher\\'s sitecustomize did not run'\n"
+        + JOINS)
+    run = cli(workdir, "launch", "-np", "1", "-x", f"PYTHONPATH={workdir / 'mine'}", PYTHON, "train.py")
+    assert run.code == 0, run.stderr[-3000:] + run.stdout[-3000:]
