@@ -511,3 +511,31 @@ def test_x_pythonpath_is_merged_with_the_launchers_own_entry(workdir: Path) -> N
         + JOINS)
     run = cli(workdir, "launch", "-np", "1", "-x", f"PYTHONPATH={workdir / 'mine'}", PYTHON, "train.py")
     assert run.code == 0, run.stderr[-3000:] + run.stdout[-3000:]
+
+
+SCRIPT_FAILED = ("the script failed on every host before joining the job ({n} worker(s) on {hosts}): worker {worker} "
+                 "exited with status {status}: {error}")
+
+
+@pytest.mark.parametrize(("script", "text", "error"), [
+    ("train.py", "import nosuchmodule_xyz\n", "ModuleNotFoundError: No module named 'nosuchmodule_xyz'"),
+    ("train.py", "x = (\n", "SyntaxError: '(' was never closed"),
+    ("nosuch.py", None, "{python}: can't open file '{dir}/nosuch.py': [Errno 2] No such file or directory"),
+], ids=["import error", "syntax error", "no such script"])
+def test_a_script_that_fails_before_joining_is_the_verdict_not_the_hosts(workdir: Path, script: str, text: str | None,
+                                                                        error: str) -> None:
+    # Issue 37, item 7: it ended "2 slot(s) needed and 1 left in the fixed host list ... lower
+    # --min-np, or give hosts", impossible advice with --min-np 1.
+    if text is not None:
+        (workdir / script).write_text(text)
+    started = time.monotonic()
+    run = cli(workdir, "launch", "-np", "2", "--min-np", "1", PYTHON, script)
+    assert time.monotonic() - started < 30
+    status = 2 if text is None else 1
+    error = error.format(python=PYTHON, dir=workdir)
+    lines = [Line(SCRIPT_FAILED, {"n": 2, "hosts": "localhost", "worker": worker, "status": status, "error": error})
+             for worker in ("localhost[0]#0", "localhost[1]#1")]  # whichever the driver reaped first
+    assert run.code == 1, run.stderr[-3000:]
+    assert run.lines[-1] in [PREFIXES["job"] + line.text for line in lines], run.stderr[-3000:]
+    assert "the job fails in" not in run.stderr  # no wait is announced for a job that cannot wait
+    assert_documented(lines[0])
