@@ -295,3 +295,20 @@ def test_a_worker_stopped_by_the_driver_before_joining_is_no_script_failure():
     job.state.workers[worker].kill_reason = "it did not reach the rendezvous within 600 s"
     job.turn((Exited(worker, -signal.SIGKILL),))
     assert job.state.start_failures.count == 0
+
+
+def test_no_wait_is_announced_in_the_turn_the_job_fails():
+    # Issue 37, item 10: "the job fails in 600 s without them" came just before the verdict.
+    job = Job((HostSlots("a", 1),), np=1)
+    (worker,) = job.formed()
+    fx = job.turn((Exited(worker, -signal.SIGKILL),))
+    assert ends(fx) == [f"all 1 worker(s) of round 1 failed; first: worker {worker} was killed by SIGKILL"]
+    assert not waiting_lines(fx)
+
+
+def test_a_wait_for_slots_that_may_still_appear_is_announced():
+    job = Job((HostSlots("a", 1), HostSlots("b", 1)), np=2, min_np=2)
+    ids = job.formed()
+    fx = job.turn((Exited(ids[1], -signal.SIGKILL),))
+    assert not ends(fx)
+    assert waiting_lines(fx) == ["Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them."]
