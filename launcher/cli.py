@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="complete snapshots to keep, older ones are deleted (default: 2)")
     durable.add_argument("--no-resume", action="store_true",
                          help="start over even if --snapshot-dir holds snapshots (new ones are still written)")
+    durable.add_argument("--resume-other-command", action="store_true",
+                         help="resume from the newest snapshot of --snapshot-dir even when another command wrote it "
+                              "(other arguments, another script); without it such a snapshot is refused")
     run.add_argument("--log-dir", type=Path, metavar="DIR",
                      help="also write each worker's output, and the job's events.jsonl timeline, to DIR")
     run.add_argument("--state-dir", type=Path, metavar="DIR",
@@ -266,7 +269,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 def snapshot_settings(args: argparse.Namespace) -> SnapshotSettings | None:
     if args.snapshot_dir is None:
         for option, value in (("--snapshot-every", args.snapshot_every), ("--snapshot-keep", args.snapshot_keep),
-                              ("--no-resume", args.no_resume or None)):
+                              ("--no-resume", args.no_resume or None),
+                              ("--resume-other-command", args.resume_other_command or None)):
             if value is not None:
                 raise ConfigError(f"{option}: only with --snapshot-dir")
         return None
@@ -278,6 +282,7 @@ def snapshot_settings(args: argparse.Namespace) -> SnapshotSettings | None:
             every=args.snapshot_every if args.snapshot_every is not None else defaults.every,
             keep=args.snapshot_keep if args.snapshot_keep is not None else defaults.keep,
             resume=not args.no_resume,
+            resume_other_command=args.resume_other_command,
         )
     except SnapshotError as err:
         raise ConfigError(str(err)) from None

@@ -539,3 +539,53 @@ def test_a_script_that_fails_before_joining_is_the_verdict_not_the_hosts(workdir
     assert run.lines[-1] in [PREFIXES["job"] + line.text for line in lines], run.stderr[-3000:]
     assert "the job fails in" not in run.stderr  # no wait is announced for a job that cannot wait
     assert_documented(lines[0])
+
+
+# A loop that commits every few milliseconds, snapshotted often; it prints the value it ends with.
+COMMITS = """\
+import sys
+import time
+import lightning_elastic as le
+
+le.init()
+state = le.ObjectState(value=0)  # no "step": a snapshot's step is the number of commits
+
+
+@le.run
+def train(state):
+    for _ in range(int(sys.argv[1])):
+        state.value += 1
+        state.commit()
+        time.sleep(0.01)
+
+
+train(state)
+print("value", state.value, flush=True)
+"""
+
+
+def test_a_snapshot_dir_of_another_command_is_refused_unless_the_user_says_so(workdir: Path) -> None:
+    # Issue 37, item 8: a reused --snapshot-dir resumed another script's state with a warning
+    # only (a train.py then trained zero epochs and exited 0).
+    (workdir / "other.py").write_text(COMMITS)
+    (workdir / "train.py").write_text(COMMITS)
+    snapshots = workdir / "snapshots"
+    launch = ["launch", "-np", "1", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.05"]
+    first = cli(workdir, *launch, PYTHON, "other.py", "40")
+    assert first.code == 0 and list(snapshots.glob("*.json")), first.stderr[-3000:]
+    newest = max(snapshots.glob("*.pt"), key=lambda path: tuple(int(n) for n in re.findall(r"\d+", path.name)))
+    run = cli(workdir, *launch, PYTHON, "train.py", "40")
+    from lightning_elastic.durable.files import job_id_of  # noqa: PLC0415 - how the ids are made
+
+    line = Line("--snapshot-dir: {name} in {dir} was written by another command (job id {id}, this one's is "
+                "{ours}): pass --no-resume or another --snapshot-dir to start over, or --resume-other-command to resume "
+                "from it", {"name": newest.name, "dir": snapshots, "id": job_id_of((PYTHON, "other.py", "40")),
+                            "ours": job_id_of((PYTHON, "train.py", "40"))})
+    assert (run.code, run.lines[-1]) == (2, PREFIXES["error"] + line.text), run.stderr[-3000:]
+    assert "Started worker" not in run.stderr  # refused before anything started
+    assert_documented(line)
+    # Said so: resumed (the value goes on from the snapshot's), with a warning.
+    run = cli(workdir, *launch, "--resume-other-command", PYTHON, "train.py", "40")
+    assert run.code == 0, run.stderr[-3000:]
+    assert f"resumed from:  {newest}" in run.stderr
+    assert int(re.search(r"value (\d+)", run.stdout).group(1)) > 40

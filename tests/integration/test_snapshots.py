@@ -188,7 +188,8 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     kept = Path(shutil.copy(snapshots / data_name(newest), job.dir / "kept.pt"))
 
     again = relaunch(job, "again")
-    lit.start(again, launch, step_delay=0.0)
+    # Without the first launch's --step-delay: another command line, resumed as the user says.
+    lit.start(again, [*launch, "--resume-other-command"], step_delay=0.0)
     assert again.wait(180) == 0, again.stderr()[-3000:]
     assert f"resumed from:  {snapshots / data_name(newest)}" in again.stderr()
     resumed = [e for e in again.events("synced") if e["pid"] not in first]

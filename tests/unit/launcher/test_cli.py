@@ -677,6 +677,9 @@ def test_invalid_variables_exit_2_with_one_line_naming_them(capsys, no_launch, e
     [
         (["--snapshot-every", "5"], "--snapshot-every: only with --snapshot-dir"),
         (["--no-resume"], "--no-resume: only with --snapshot-dir"),
+        (["--resume-other-command"], "--resume-other-command: only with --snapshot-dir"),
+        (["--snapshot-dir", "{tmp}", "--no-resume", "--resume-other-command"],
+         "--resume-other-command: not with --no-resume, which starts over"),
         (["--snapshot-dir", "{tmp}", "--snapshot-every", "0"],
          "--snapshot-every: expected a positive, finite number of seconds, got 0.0"),
         (["--snapshot-dir", "{tmp}", "--snapshot-keep", "0"],
@@ -700,6 +703,9 @@ def test_snapshot_options_come_from_the_command_line_or_the_environment(tmp_path
                                              "LIGHTNING_ELASTIC_SNAPSHOT_KEEP": "4"})
     assert c.snapshots is not None and c.snapshots.keep == 4 and c.snapshots.resume
     assert parse("-np", "1", "python").snapshots is None
+    c = parse("-np", "1", "--snapshot-dir", str(tmp_path), "python",
+              environ={"LIGHTNING_ELASTIC_RESUME_OTHER_COMMAND": "1"})
+    assert c.snapshots is not None and c.snapshots.resume_other_command and c.snapshots.resume
 
 
 def test_a_snapshot_dir_that_cannot_be_created_exits_2_before_anything_starts(capsys, tmp_path):
