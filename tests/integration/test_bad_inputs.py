@@ -341,6 +341,12 @@ def only_host_does_not_resolve(d: Path):  # found by the driver, before any work
         "--driver-address or --network-interface)", {"hosts": UNRESOLVABLE})
 
 
+def hosts_separated_by_semicolons(d: Path):  # issue 37, item 10: was one host named "a:1;b"
+    return ["launch", "-H", "localhost:1;127.0.0.2:1", PYTHON, "-c", "pass"], {}, Line(
+        "-H/--hosts: {text!r} separates hosts with {separator!r}: expected commas, HOST:SLOTS[,HOST:SLOTS...] "
+        "(-H {commas})", {"text": "localhost:1;127.0.0.2:1", "separator": ";", "commas": "localhost:1,127.0.0.2:1"})
+
+
 def preload_not_a_module_name(d: Path):
     return ["launch", "--preload", "torch,lightning-pytorch", PYTHON, "-c", "pass"], {}, Line(
         "--preload: {name!r} is not a module name, expected e.g. lightning.pytorch", {"name": "lightning-pytorch"})
@@ -368,7 +374,7 @@ INVALID: list[Case] = [
     hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
     discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,
     slurm_outside_an_allocation, only_host_does_not_resolve, preload_not_a_module_name, preload_with_state_dir,
-    preload_without_python,
+    preload_without_python, hosts_separated_by_semicolons,
 ]
 
 
@@ -400,6 +406,16 @@ def test_two_host_sources_on_the_command_line_are_refused_by_the_parser(workdir:
     line = Line("lightning-elastic launch: error: argument {option}: not allowed with argument {other}",
                 {"option": "--hostfile", "other": "-H/--hosts"})
     assert (run.code, run.lines[0].startswith("usage: "), run.lines[-1]) == (2, True, line.text), run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+    assert_documented(line)
+
+
+def test_a_mistyped_option_is_refused_by_launch_with_the_option_it_may_mean(workdir: Path) -> None:
+    # Issue 37, item 10: refused under the top-level usage, with no word of -np.
+    run = cli(workdir, "launch", "--np", "2", PYTHON, "-c", "pass", timeout=60)
+    line = Line("lightning-elastic launch: error: unrecognized arguments: {given} (did you mean {meant}?)",
+                {"given": "--np", "meant": "-np"})
+    assert (run.code, run.lines[0].startswith("usage: lightning-elastic launch "), run.lines[-1]) == (2, True, line.text)
     assert "Traceback" not in run.stderr + run.stdout
     assert_documented(line)
 
@@ -589,3 +605,32 @@ def test_a_snapshot_dir_of_another_command_is_refused_unless_the_user_says_so(wo
     assert run.code == 0, run.stderr[-3000:]
     assert f"resumed from:  {newest}" in run.stderr
     assert int(re.search(r"value (\d+)", run.stdout).group(1)) > 40
+
+
+def test_a_preload_module_that_cannot_be_imported_is_one_line(workdir: Path) -> None:
+    # Issue 37, item 10: the fork server said "workers start cold" and the worker "starting
+    # cold", two lines for one fact.
+    (workdir / "train.py").write_text(JOINS)
+    run = cli(workdir, "launch", "-np", "1", "--preload", "nosuchmodule_xyz", PYTHON, "train.py")
+    assert run.code == 0, run.stderr[-3000:]
+    said = [line for line in (run.stdout + run.stderr).splitlines() if "cannot import" in line or " cold" in line]
+    line = Line("lightning-elastic: --preload: {reason}: starting cold",
+                {"reason": "the fork server cannot import 'nosuchmodule_xyz' (ModuleNotFoundError: No module named "
+                           "'nosuchmodule_xyz')"})
+    assert said == [f"[-] {line.text}"], said
+
+
+def test_launch_options_after_the_command_and_a_job_without_min_np_are_said_at_the_start(workdir: Path) -> None:
+    # Issue 37, item 10: `launch -np 2 train.py --min-np 1` gave --min-np to the script without
+    # a word, and nothing said the job could not go on with fewer than 2 workers.
+    (workdir / "train.py").write_text(JOINS)
+    run = cli(workdir, "launch", "-np", "2", "train.py", "--min-np", "1")
+    assert run.code == 0, run.stderr[-3000:]
+    hint = Line("Passing {options} to the command, as everything after it: if it is meant for launch, put it before "
+                "the command (-- before the command silences this).", {"options": "--min-np"})
+    elastic = Line("Not elastic below -np: without --min-np, training needs all {n} workers of -np (after a lost worker "
+                   "it waits, up to --elastic-timeout, for a replacement); pass --min-np to train on with fewer.",
+                   {"n": 2})
+    for line in (hint, elastic):
+        assert logged(run, line, "INFO") == [line.text], run.stderr[-3000:]
+        assert_documented(line)
