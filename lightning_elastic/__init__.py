@@ -98,7 +98,6 @@ __all__ = [
     "ElasticFSDPStrategy",
     "ElasticStrategy",
     "ScaleLearningRate",
-    "ShardedState",
     "ElasticError",
     "ElasticFabricStrategy",
     "ElasticSampler",
