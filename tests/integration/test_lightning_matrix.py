@@ -98,6 +98,8 @@ def command(config: str, directory: Path, *extra: str) -> list[str]:
 def start_ddp(config: str, directory: Path) -> subprocess.Popen[str]:
     directory.mkdir(parents=True)
     extra = ["--trainer.strategy", "ddp", "--trainer.devices", "2"] if config == "cli" else ["--strategy", "ddp", "--devices", "2"]
+    if config == "manual":
+        extra.append("--import-lightning-elastic")  # importing it must change nothing for ddp
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ELASTIC_")}
     return subprocess.Popen(command(config, directory, *extra), cwd=directory, env=env, text=True,
                             stdout=subprocess.DEVNULL, stderr=open(directory / "stderr", "w"))  # noqa: SIM115
@@ -314,6 +316,13 @@ def test_validate_test_predict_after_fit(launches: Launches) -> None:
         assert predicted == list(range(VAL_SAMPLES)), f"predicted samples: {predicted}"
         assert sum(e["samples"] for e in run.events if e["kind"] == "tested") == VAL_SAMPLES
         assert len([e for e in run.events if e["kind"] == "validated" and "VALIDATING" in e["fn"]]) == 2  # a pass per rank
+
+
+def test_importing_lightning_elastic_changes_nothing_for_plain_ddp(launches: Launches) -> None:
+    # The manual configuration's ddp run imports it (the launcher's variables left out): it
+    # ran to its end, and every row above found it equal to the elastic run.
+    _, ddp = launches.get("manual")
+    assert [d["lightning_elastic_imported"] for d in ddp.done()] == [True, True]
 
 
 # ----- iterable: rank 1 SIGKILLed at step 20 of 30 --------------------------------------
