@@ -283,6 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kill-at-step", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--step-delay", type=float, default=0.0)
+    parser.add_argument("--import-lightning-elastic", action="store_true",
+                        help="import lightning_elastic under --strategy ddp too (it must change nothing)")
     return parser.parse_args(argv)
 
 
@@ -317,6 +319,8 @@ def build_trainer(args: argparse.Namespace) -> pl.Trainer:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.import_lightning_elastic:
+        import lightning_elastic  # noqa: F401
     pl.seed_everything(0, workers=True)
     events = Events(args.events)
     model, data = Classifier(args, events), Data(args.config)
@@ -338,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         stopped_epoch=early.stopped_epoch if early else None,
         last_model_path=Path(checkpoint.last_model_path).name if checkpoint else None,
         log_dir=str(trainer.logger.log_dir) if trainer.logger else None,
+        lightning_elastic_imported="lightning_elastic" in sys.modules,
     )
 
 

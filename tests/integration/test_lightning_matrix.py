@@ -98,6 +98,8 @@ def command(config: str, directory: Path, *extra: str) -> list[str]:
 def start_ddp(config: str, directory: Path) -> subprocess.Popen[str]:
     directory.mkdir(parents=True)
     extra = ["--trainer.strategy", "ddp", "--trainer.devices", "2"] if config == "cli" else ["--strategy", "ddp", "--devices", "2"]
+    if config == "manual":
+        extra.append("--import-lightning-elastic")  # importing it must change nothing for ddp
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ELASTIC_")}
     return subprocess.Popen(command(config, directory, *extra), cwd=directory, env=env, text=True,
                             stdout=subprocess.DEVNULL, stderr=open(directory / "stderr", "w"))  # noqa: SIM115
@@ -115,13 +117,19 @@ class Launches:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.runs: dict[str, tuple[Run, Run]] = {}
+        self.runs: dict[str, tuple[Run, Run] | AssertionError] = {}
         self.jobs: list[Job] = []
 
     def get(self, config: str) -> tuple[Run, Run]:
         if config not in self.runs:
-            self.runs[config] = self._launch(config)
-        return self.runs[config]
+            try:
+                self.runs[config] = self._launch(config)
+            except AssertionError as failed:  # every row of it fails with it, without launching again
+                self.runs[config] = failed
+        found = self.runs[config]
+        if isinstance(found, AssertionError):
+            raise found
+        return found
 
     def _launch(self, config: str) -> tuple[Run, Run]:
         job_dir = self.root / config / "elastic"
@@ -133,7 +141,7 @@ class Launches:
         ddp = start_ddp(config, ddp_dir)  # beside the launch: its imports overlap the joiner's
         try:
             status = job.wait(150)
-            ddp.wait(150)
+            ddp.wait(60)  # it ran beside the launch: 210 s in all, within pytest-timeout
         finally:
             if ddp.poll() is None:
                 ddp.kill()
@@ -308,6 +316,13 @@ def test_validate_test_predict_after_fit(launches: Launches) -> None:
         assert predicted == list(range(VAL_SAMPLES)), f"predicted samples: {predicted}"
         assert sum(e["samples"] for e in run.events if e["kind"] == "tested") == VAL_SAMPLES
         assert len([e for e in run.events if e["kind"] == "validated" and "VALIDATING" in e["fn"]]) == 2  # a pass per rank
+
+
+def test_importing_lightning_elastic_changes_nothing_for_plain_ddp(launches: Launches) -> None:
+    # The manual configuration's ddp run imports it (the launcher's variables left out): it
+    # ran to its end, and every row above found it equal to the elastic run.
+    _, ddp = launches.get("manual")
+    assert [d["lightning_elastic_imported"] for d in ddp.done()] == [True, True]
 
 
 # ----- iterable: rank 1 SIGKILLed at step 20 of 30 --------------------------------------
