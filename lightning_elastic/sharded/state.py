@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lightning_elastic.commit import collectives
 from lightning_elastic.membership.worker import ElasticWorker
 from lightning_elastic.sharded import parts
 from lightning_elastic.sharded.commit import ShardedCommit
@@ -201,7 +202,16 @@ class ShardedState(State):
         self._drop_live()
         mesh = init_device_mesh(worker.device.type, (worker.assignment.size,), mesh_dim_names=("dp",))
         if fresh and init_weights is None:
-            model = make_model()
+            # Every rank keeps its own rows of the model it builds: they must all build the
+            # same one. A joiner's generator is not where the others' are (they trained
+            # since le.init), so all build from rank 0's, without moving anyone's own.
+            a = worker.assignment
+            rng = torch.get_rng_state()
+            if a.size > 1:
+                rng = collectives.broadcast_object(rng, a.rank, 0, worker.device, worker.wait_collective)
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(rng)
+                model = make_model()
         else:
             with torch.device("meta"):
                 model = make_model()
