@@ -253,7 +253,7 @@ class TorchftRun:
 
 
 def drive(run: Running, period: float | None, duration: float, bound: float, start_timeout: float,
-          ) -> tuple[float, list[dict]]:
+          workers: int = WORKERS) -> tuple[float, list[dict]]:
     """Train ``duration`` s from the first full-size step, SIGKILL every ``period`` s; (t0, kills).
 
     Returns once the job has trained after its last kill (so the final state is known), or
@@ -263,11 +263,11 @@ def drive(run: Running, period: float | None, duration: float, bound: float, sta
 
     def full_size() -> dict | None:
         reader.poll()
-        return next((r for r in reader.records if r["size"] == WORKERS), None)
+        return next((r for r in reader.records if r["size"] == workers), None)
 
     first = wait_until(full_size, start_timeout, run)
     if first is None:
-        raise TrialError(f"no step at world size {WORKERS} within {start_timeout:.0f} s "
+        raise TrialError(f"no step at world size {workers} within {start_timeout:.0f} s "
                          f"(exit status {run.poll()}); last output:\n{run.tail()}")
     t0 = first["t"]
     end = t0 + duration
@@ -276,7 +276,7 @@ def drive(run: Running, period: float | None, duration: float, bound: float, sta
         _sleep_until(t0 + (len(kills) + 1) * period, run)
         if kills:
             _await_recovery(run, kills[-1], bound)
-        victim = _victim(reader, 1 + len(kills) % (WORKERS - 1), {k["pid"] for k in kills})
+        victim = _victim(reader, 1 + len(kills) % (workers - 1), {k["pid"] for k in kills})
         if victim is None:  # a world of one: killing rank 0 would end the job, not test recovery
             kills.append({"skipped": True, "at": time.time()})
             continue

@@ -3,7 +3,8 @@
 Written by the workloads (``StepLog``), read by the measurements (``StepReader``). This module
 is standard-library only, so the suite can read logs without importing torch.
 
-A record: ``{"t": wall-clock seconds, "step": n, "rank": r, "size": world size, "pid": pid}``.
+A record: ``{"t": wall-clock seconds, "step": n, "rank": r, "size": world size, "pid": pid}``, and any
+extra fields a workload adds (``sharded_train.py``: ``began``, ``hwm_mb``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ class StepLog:
         directory.mkdir(parents=True, exist_ok=True)
         self._file = open(directory / f"{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
 
-    def step(self, step: int, rank: int, size: int) -> None:
+    def step(self, step: int, rank: int, size: int, **extra: object) -> None:
         self._file.write(json.dumps({"t": time.time(), "step": step, "rank": rank, "size": size,
-                                     "pid": os.getpid()}) + "\n")
+                                     "pid": os.getpid(), **extra}) + "\n")
 
 
 class StepReader:

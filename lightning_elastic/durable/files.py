@@ -94,6 +94,9 @@ class SnapshotSettings:
     every: float = 60.0  # seconds between the starts of two snapshots
     keep: int = 2  # complete snapshots kept; older ones are deleted
     resume: bool = True  # False: --no-resume, start over even if the directory holds snapshots
+    # --resume-other-command: resume from a snapshot another command wrote (its job id
+    # differs: other arguments, another script); refused without it (the launcher's check).
+    resume_other_command: bool = False
 
     def __post_init__(self) -> None:
         if not str(self.directory).strip():
@@ -108,6 +111,8 @@ class SnapshotSettings:
             raise SnapshotError(f"--snapshot-every: expected a positive, finite number of seconds, got {self.every}")
         if self.keep < 1:
             raise SnapshotError(f"--snapshot-keep: expected 1 or more snapshots to keep, got {self.keep}")
+        if self.resume_other_command and not self.resume:
+            raise SnapshotError("--resume-other-command: not with --no-resume, which starts over")
 
 
 @dataclasses.dataclass(frozen=True)

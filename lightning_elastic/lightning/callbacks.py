@@ -359,8 +359,9 @@ def _log_elastic_metrics(trainer: pl.Trainer) -> None:
     metrics = {"elastic/world_size": float(trainer.world_size), "elastic/resets": float(worker.resets)}
     if worker.last_recovery_s is not None:
         metrics["elastic/last_recovery_s"] = float(worker.last_recovery_s)
+    step = compat.logging_step(trainer)  # the step this batch's own rows are logged at
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+        logger.log_metrics(metrics, step=step)
 
 
 def _renamed(old_name: str, old_value: int | None, value: int | None) -> int | None:

@@ -49,11 +49,7 @@ class ElasticSampling:
             return dataloader
         order = _sampling_order(dataloader)
         if order is None:
-            rank_zero_warn(
-                "lightning-elastic: the training DataLoader uses a custom sampler or batch sampler; "
-                "samples may be repeated or skipped across resets (use a plain sampler and batch_size "
-                "for exactly-once epochs)."
-            )
+            rank_zero_warn(_unsampled_warning(dataloader))
             return dataloader
         shuffle, seed = order
         sampler = ElasticSampler(
@@ -83,6 +79,23 @@ class ElasticSampling:
             return batch_len
         pass_batch = batch_idx - sampler.batches_before_pass()
         return min(batch_len, sampler.real_in_batch(pass_batch, sampler.batch_size))
+
+
+def _unsampled_warning(dataloader: DataLoader) -> str:
+    """What a reset does to a training DataLoader the elastic sampler cannot stand in for, by name."""
+    dataset = type(dataloader.dataset).__name__
+    if isinstance(dataloader.dataset, IterableDataset):
+        return (f"lightning-elastic: the training dataset {dataset} is an IterableDataset, whose position "
+                "cannot be restored: after a reset its stream starts again from its beginning on every rank "
+                "(the epoch's samples so far are repeated, and its end comes later; a run bounded by max_steps "
+                "may end before it). Use a map-style Dataset for exactly-once epochs.")
+    if dataloader.batch_size is None:
+        what = f"batch sampler {type(dataloader.batch_sampler).__name__}"
+    else:
+        what = f"sampler {type(dataloader.sampler).__name__}"
+    return (f"lightning-elastic: the training DataLoader of {dataset} uses the {what}, which the elastic "
+            "sampler cannot stand in for: samples may be repeated or skipped across resets (use shuffle= "
+            "and batch_size= with a map-style Dataset for exactly-once epochs).")
 
 
 def _sampling_order(dataloader: DataLoader) -> tuple[bool, int] | None:

@@ -23,6 +23,7 @@ from lightning_elastic.commit import init_sync
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.commit import (
     COMMIT_MARKER,
+    METRICS_KEY,
     RestorePlan,
     agree_on_restore,
     checkpoint_for_lightning,
@@ -93,6 +94,8 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
         self._restore: RestorePlan | None = None
         self._resumed_world_size: int | None = None  # set when a fit resumed from a commit
         self._init_sampling()
+        self._pending_metrics: dict[str, float] | None = None  # the commit's, set at train start
+        self._committed_log_step: int | None = None  # the committed batch's logging step
         # This fit attempt is loading the agreed commit / has loaded its weights into the
         # LightningModule on every rank (strictly): DDP need not broadcast them again.
         self._loading_commit = False
@@ -121,6 +124,7 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
         """Copy the full training state into host memory (called at a batch end)."""
         position = self.sampler_position()
         skeleton, sources = self._capture.capture(trainer)
+        skeleton = {**skeleton, METRICS_KEY: compat.computed_callback_metrics(trainer)}
         take_split_commit(self.snapshot, skeleton, sources, self.worker.assignment.size, trainer.global_step, position)
         self.worker.note_commit()
         writer = self.worker.snapshot_writer
@@ -154,11 +158,19 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
     def agree_on_restore(self, trainer: pl.Trainer) -> bool:
         """Collective, before every fit attempt: is there a commit to resume from?"""
         self._loading_commit = self._weights_synced = False  # a new attempt: nothing loaded yet
-        versions = [logger.version for logger in trainer.loggers] if self._is_source_candidate() else []
-        self._restore = agree_on_restore(self.worker, self.snapshot, versions)
+        candidate = self._is_source_candidate()
+        versions = [logger.version for logger in trainer.loggers] if candidate else []
+        callbacks = compat.callbacks_deciding_state(trainer) if candidate else {}
+        self._restore = agree_on_restore(self.worker, self.snapshot, versions, callbacks)
         for logger, version in zip(trainer.loggers, self._restore.logger_versions):
             compat.set_logger_version(logger, version)
-        return self._restore.source_rank is not None
+        # Before the attempt's first hook: a joiner, and a survivor after a rollback, enter the
+        # collectives of Lightning's callbacks exactly when the source does (issue 37, point 1).
+        compat.restore_callbacks_deciding_state(trainer, self._restore.callbacks_state)
+        resuming = self._restore.source_rank is not None
+        if resuming and self.worker.assignment.rank == 0:
+            compat.continue_csv_logs(trainer)  # before the fit logs anything (hyper-parameters)
+        return resuming
 
     def _is_source_candidate(self) -> bool:
         # Only a rank that could be the source asks its loggers for a version: a version
@@ -170,10 +182,13 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self._restore is not None and self._restore.source_rank is not None
         committed = receive_commit(self.worker, self.snapshot, self._restore.source_rank)
+        self._committed_log_step = compat.committed_logging_step(committed.skeleton)
         self._loading_commit = True
         self._resumed_world_size = committed.meta.world_size
         self._pending_sampler = committed.meta.sampler
-        return checkpoint_for_lightning(committed, self.worker.assignment.size)
+        checkpoint = checkpoint_for_lightning(committed, self.worker.assignment.size)
+        self._pending_metrics = checkpoint.pop(METRICS_KEY, None)
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
@@ -199,6 +214,13 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
         self.worker.resume_from = None  # every rank holds the resumed state now
         self._capture.new_attempt()
         trainer = self.lightning_module.trainer
+        metrics, self._pending_metrics = self._pending_metrics, None
+        if metrics is not None:
+            compat.restore_callback_metrics(trainer, metrics)
+            compat.step_plateau_schedulers_at_epoch_end(trainer)
+        log_step, self._committed_log_step = self._committed_log_step, None
+        if log_step is not None and trainer.is_global_zero:
+            compat.drop_csv_rows_after(trainer, log_step)  # the steps redone from here are logged again
         resumed_from, self._resumed_world_size = self._resumed_world_size, None
         if resumed_from is not None:
             call_reset_hooks(trainer, resumed_from, self.worker.assignment.size)

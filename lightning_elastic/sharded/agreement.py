@@ -38,5 +38,5 @@ def agree(commit: ShardedCommit, assignment: p.Assignment, device: torch.device,
 
 
 def lost_error(lost: Lost) -> ElasticError:
-    # Until durable sharded snapshots are wired in, a lost commit ends the job clearly.
+    # elastic_fsdp does not resume from a sharded snapshot yet (le.ShardedState does): the end, in one line.
     return ElasticError(f"sharded state lost from memory: {lost.reason}; no --snapshot-dir to resume from")

@@ -440,3 +440,21 @@ def read_sharded(path: Location | os.PathLike[str], target: dict[str, Any], proc
 
     location = files.as_location(os.fspath(path))
     dcp.load(target, checkpoint_id=location, process_group=process_group)
+
+
+def saved_tensors(path: Location | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], Any] | None]:
+    """Every key of the sharded snapshot ``path``: its tensor's global shape and dtype, or
+    None for a value that is not a tensor (from the DCP metadata alone, no data read)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+
+    location = files.as_location(os.fspath(path))
+    if "://" in str(location):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: PLC0415 - what dcp.load uses
+
+        reader: Any = FsspecReader(location)
+    else:
+        reader = dcp.FileSystemReader(location)
+    metadata = reader.read_metadata()
+    return {key: ((tuple(m.size), m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None)
+            for key, m in metadata.state_dict_metadata.items()}

@@ -24,19 +24,25 @@ with one line saying so.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from lightning_elastic.commit import collectives
+from lightning_elastic.durable import files
+from lightning_elastic.durable.files import Found
+from lightning_elastic.errors import ElasticError
 from lightning_elastic.membership.worker import ElasticWorker
-from lightning_elastic.sharded import parts
+from lightning_elastic.sharded import parts, snapshot_tree
 from lightning_elastic.sharded.commit import ShardedCommit
-from lightning_elastic.sharded.agreement import agree, lost_error
+from lightning_elastic.sharded.agreement import agree
 from lightning_elastic.sharded.layout import Fresh, Layout, Lost, Restore, describe_coverage
 from lightning_elastic.sharded.rows import Entry
-from lightning_elastic.training.state import State, _is_stateful
+from lightning_elastic.training.state import State, _is_stateful, info_of_state
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +91,8 @@ class ShardedState(State):
         put(self, "_callbacks_due", False)
         put(self, "_commit", ShardedCommit())  # own rows, the rest, the copy held for a peer
         put(self, "_said_coverage", None)
+        put(self, "_writers", [])  # (round, sharded snapshot writer): this round's last; older ones finishing
+        put(self, "_round_start", (0, 0.0, 0))  # (round, time its sync ended, step then): snapshot pace
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not name.startswith("_") and name not in self._names:
@@ -136,8 +144,47 @@ class ShardedState(State):
         """Commit: this rank's rows into its host buffer, then the copy for its holder."""
         worker = self.worker
         entries, tensors, rest = self._split_live()
-        self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device)
+        writing = any(w.writing for _, w in self._writers)  # a snapshot still reads the own rows
+        self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device,
+                          keep_own=not writing)
         object.__setattr__(self, "_committed_live", True)
+
+    def offer_snapshot(self) -> None:
+        """Every rank: its rows of this commit to the round's sharded snapshot writer
+        (``--snapshot-dir``), which writes them in the background when the commit is due."""
+        worker = self.worker
+        settings = getattr(worker.snapshot_writer, "settings", None)
+        own = self._commit.own
+        if settings is None or own is None:
+            return
+        a = worker.assignment
+        values = {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))}
+        stateful = {n: getattr(self, n) for n in self._names if _is_stateful(getattr(self, n))}
+        info = info_of_state(values, stateful, worker.commits_total, a.round, a.size, "sharded")
+        writer = self._writer_for_round(settings, info.step)
+        writer.offer(snapshot_tree.written(own, self._commit.own_rest), info)
+
+    def _writer_for_round(self, settings: Any, step: int) -> Any:
+        """This round's writer, made at its first commit: rank 0's pace since the round's
+        sync turns ``--snapshot-every`` seconds into steps, the same for every rank."""
+        from lightning_elastic.sharded.snapshots import ShardedSnapshotWriter, SnapshotPlan, steps_between
+
+        worker = self.worker
+        a = worker.assignment
+        if self._writers and self._writers[-1][0] == a.round:
+            return self._writers[-1][1]
+        alive = [(r, w) for r, w in self._writers if w.writing]  # an older round's, still writing
+        round_, started, first_step = self._round_start
+        plan = None
+        if a.rank == 0:
+            per_step = (time.monotonic() - started) / max(1, step - first_step) if round_ == a.round else 1.0
+            plan = SnapshotPlan(secrets.token_hex(4), steps_between(settings.every, max(per_step, 1e-3)))
+        if a.size > 1:
+            plan = collectives.broadcast_object(plan, a.rank, 0, worker.device, worker.wait_collective)
+        writer = ShardedSnapshotWriter(settings, a.rank, a.size, plan, os.environ.get(files.ENV_JOB_ID, ""))
+        object.__setattr__(self, "_writers", [*alive, (a.round, writer)])
+        worker.snapshot_writer = writer  # its counts reach the driver with the heartbeats
+        return writer
 
     def keep_live(self) -> None:
         """Hosts changed: every rank stopped at the same step, so the live state is committed
@@ -155,6 +202,8 @@ class ShardedState(State):
         self._drop_live()
 
     def _drop_live(self) -> None:
+        if self._live is not None:
+            _release(self._live[0], self._live[1], self.worker.assignment.rank)
         object.__setattr__(self, "_live", None)
         object.__setattr__(self, "_committed_live", False)
 
@@ -186,8 +235,16 @@ class ShardedState(State):
             self._restore_lost(choice)
         else:
             assert isinstance(choice, Fresh)
-            self._build(fresh=True)
+            plan = worker.resume_from  # the job's first round only: cleared once a round synced
+            found = self._agree_on_snapshot(plan.locate if plan is not None else None)
+            if found is None:
+                self._build(fresh=True)
+            else:
+                self._resume_from(found)
         self._say_coverage(agreed.hosts, agreed.layout)
+        step = self._values().get("step")
+        a = worker.assignment
+        object.__setattr__(self, "_round_start", (a.round, time.monotonic(), step if isinstance(step, int) else 0))
         if self._callbacks_due:
             object.__setattr__(self, "_callbacks_due", False)
             super().on_reset()
@@ -230,19 +287,88 @@ class ShardedState(State):
     def _restore(self, choice: Restore) -> None:
         worker = self.worker
         a = worker.assignment
+        started = time.monotonic()
+        rebuilt: list[float] = []  # when the rebuild began and ended
 
         def rebuild(entries: tuple[Entry, ...], rest: Any) -> dict[int, torch.Tensor]:
+            rebuilt.append(time.monotonic())
             self._build(fresh=False)
             model, optimizer, _, _ = self._built()
-            return parts.allocate(model, optimizer, entries)
+            local = parts.allocate(model, optimizer, entries)
+            rebuilt.append(time.monotonic())
+            return local
 
         rest, received = self._commit.restore(choice, a.rank, a.size, worker.device, worker.wait_collective, rebuild)
+        moved = time.monotonic()  # the rest came first (a broadcast), then the rebuild, then the rows
         self._load_rest(rest)
-        log.info("Rank %d: restored commit %d (world size %d -> %d); %.1f MB received from peers.",
-                 a.rank, choice.version, choice.layout.world, a.size, received / 1e6)
+        log.info("Rank %d: restored commit %d (world size %d -> %d); %.1f MB received from peers in %.2f s "
+                 "(whole restore %.2f s, of which model and optimizer rebuilt in %.2f s).",
+                 a.rank, choice.version, choice.layout.world, a.size, received / 1e6, moved - rebuilt[1],
+                 time.monotonic() - started, rebuilt[1] - rebuilt[0])
 
     def _restore_lost(self, lost: Lost) -> None:
-        raise lost_error(lost)
+        """No whole commit among the members: the newest durable snapshot, or the end."""
+        worker = self.worker
+        settings = getattr(worker.snapshot_writer, "settings", None)
+
+        def newest() -> Found | None:
+            return files.newest_valid(settings.directory, log.warning) if settings is not None else None
+
+        found = self._agree_on_snapshot(newest)
+        if found is None:
+            where = "no valid snapshot in --snapshot-dir" if settings is not None else "no --snapshot-dir"
+            raise ElasticError(f"sharded state lost from memory: {lost.reason}; {where} to resume from")
+        if worker.assignment.rank == 0:
+            log.warning("Sharded state lost from memory: %s; resuming from snapshot %s (step %d).", lost.reason,
+                        files.base_name(found.path), found.manifest.step)
+        self._resume_from(found)
+
+    def _agree_on_snapshot(self, locate: Any) -> Found | None:
+        """Rank 0 looks (``locate()``, or nothing when None); every rank gets what it found."""
+        worker = self.worker
+        a = worker.assignment
+        found = locate() if a.rank == 0 and locate is not None else None
+        if a.size > 1:
+            found = collectives.broadcast_object(found, a.rank, 0, worker.device, worker.wait_collective)
+        return found
+
+    def _resume_from(self, found: Found) -> None:
+        """Every rank reads its rows of ``found`` (any world size) into the rebuilt model,
+        then commits, so that a loss before the next commit does not start over."""
+        from lightning_elastic.sharded.snapshots import read_sharded, saved_tensors
+
+        if found.manifest.kind != "sharded":
+            raise ElasticError(f"{files.base_name(found.path)}: a {found.manifest.kind!r} snapshot, not the "
+                               "state of a ShardedState (to start over: --no-resume, or another --snapshot-dir)")
+        self._build(fresh=False)
+        model, optimizer, scheduler, _ = self._built()
+        shapes = saved_tensors(found.path)
+        extra = {"values": self._values(), "stateful": {n: o.state_dict() for n, o in self._stateful().items()},
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None}
+        target = snapshot_tree.read_target(model, optimizer, list(shapes),
+                                           {k: v for k, v in shapes.items() if v is not None}, extra)
+        read_sharded(found.path, target)
+        for group, saved in zip(optimizer.param_groups, target["optimizer"]["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        saved_extra = target["extra"]
+        for name, value in saved_extra["values"].items():
+            object.__setattr__(self, name, value)
+        for name, value in saved_extra["stateful"].items():
+            getattr(self, name).load_state_dict(value)
+        if scheduler is not None and saved_extra["scheduler"] is not None:
+            scheduler.load_state_dict(saved_extra["scheduler"])
+        a = self.worker.assignment
+        if a.rank == 0:
+            log.info("Resumed from snapshot %s: step %d, written at world size %d (now %d).",
+                     files.base_name(found.path), found.manifest.step, found.manifest.world_size, a.size)
+        object.__setattr__(self, "_callbacks_due", True)  # the world may differ from the one that wrote it
+        self.save()
+
+    def _values(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))}
+
+    def _stateful(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in self._names if _is_stateful(getattr(self, n))}
 
     def _load_rest(self, rest: dict[str, Any]) -> None:
         model, optimizer, scheduler, _ = self._built()
@@ -262,3 +388,28 @@ class ShardedState(State):
             return
         object.__setattr__(self, "_said_coverage", said)
         log.info("%s", describe_coverage(hosts, layout.shift))
+
+
+def _release(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """Free a dropped model's large tensors now, not when the cyclic garbage collector runs.
+
+    FSDP2's modules reference themselves through their hooks, so a dropped model and its
+    optimizer are freed only by a full collection, which Python starts by itself only once
+    tens of thousands of new objects have outlived younger collections (many resets, each
+    leaving a model behind), and which costs ~0.3 s with torch imported (~300k objects): too
+    slow to run at every reset. The unsharded parameters (still gathered when a step was
+    interrupted between forward and backward), the gradients and the optimizer's moments go
+    at once here, so the next model reuses their memory; the sharded parameters and the
+    small rest wait for the collector. Called only once the live state is committed or given up.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        model.zero_grad(set_to_none=True)
+        optimizer.state.clear()
+    except Exception as err:  # the next round must form regardless: the collector frees it later
+        log.warning("Rank %d: freeing the previous round's model early failed (%s: %s); it is freed by the "
+                    "garbage collector instead.", rank, type(err).__name__, err)

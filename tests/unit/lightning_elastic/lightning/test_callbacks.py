@@ -246,15 +246,19 @@ def test_elastic_metrics_go_to_the_loggers_once_per_fit_attempt_from_rank_zero(g
     worker.resets, worker.last_recovery_s = 2, 0.125
     logger = RecordingLogger()
     callback = ElasticCallback(commit_every_n_steps=1)
+    epoch_loop = types.SimpleNamespace(_batches_that_stepped=0)
     trainer = types.SimpleNamespace(strategy=ScriptedStrategy(worker), global_step=0, callbacks=[callback],
-                                    world_size=3, is_global_zero=global_zero, loggers=[logger])
+                                    world_size=3, is_global_zero=global_zero, loggers=[logger],
+                                    fit_loop=types.SimpleNamespace(epoch_loop=epoch_loop))
     for attempt in range(2):
         callback.on_train_start(trainer, None)
         for batch_idx in range(3):
+            epoch_loop._batches_that_stepped = trainer.global_step  # Lightning counts it after the batch end
             trainer.global_step += 1
             callback.on_train_batch_end(trainer, None, None, None, batch_idx)
     expected = {"elastic/world_size": 3.0, "elastic/resets": 2.0, "elastic/last_recovery_s": 0.125}
-    assert logger.logged == ([(expected, 1), (expected, 4)] if global_zero else [])
+    # At the step Lightning logs the batch's own rows at (one less than the global step after it).
+    assert logger.logged == ([(expected, 0), (expected, 3)] if global_zero else [])
 
 
 _FIT_WITH_VALIDATION = r"""
