@@ -128,8 +128,8 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         self._launcher = ElasticFitLauncher(self)
         self._warn_ignored_settings("Trainer")  # the Trainer has set devices and num_nodes by now
         if self.worker.snapshot_writer is not None or self.worker.resume_from is not None:
-            raise ElasticError('strategy="elastic_fsdp": durable snapshots of sharded state are not supported yet; '
-                               "expected a launch without --snapshot-dir")
+            raise ElasticError('strategy="elastic_fsdp" does not write durable snapshots yet; expected a launch '
+                               "without --snapshot-dir")
 
     def setup_environment(self) -> None:
         # The worker formed this round's group at rendezvous: only the accelerator's device,
