@@ -13,7 +13,10 @@ state; batch 8 per rank; gloo), 4 ranks:
 - ``le``: ``lightning-elastic launch -np 4 --min-np 1 --max-np 4 --host-discovery-script FILE``
   on loopback hosts of one slot each (127.0.0.1 ... 127.0.0.4), ``le.ShardedState`` with a
   commit every ``--commit-every`` steps and a host check at every other step. A SIGKILL every
-  ``--every`` seconds (of rank 1, 2, 3, 1, ...; never rank 0); the killed host stays blacklisted
+  ``--every`` seconds (of rank 1, 2, 3, 1, ...; never rank 0; each moved by a seeded offset of up
+  to ``--jitter`` s either way, the same offsets in every arm: with steps of seconds, kills at
+  exact multiples of 30 s would land at the same point of the commit cycle every time); the
+  killed host stays blacklisted
   and the benchmark adds a fresh one to the discovery output at once (capacity returned, as
   measure/goodput.py's ``fresh`` mode): the survivors restore the last commit re-sharded to 3
   in their own processes, the driver starts a replacement on the new host, and the job takes
@@ -40,7 +43,9 @@ log: training resumed), and -> the first step back at 4; for lightning-elastic t
 (``Rank N: restored commit ...`` lines with their timestamps: bytes received from peers, the
 transfer's time, the rebuild's, the whole restore's), the same for the joiner's restore; for
 torchrun the DCP save per checkpoint and the load at each restart (bytes in the checkpoint);
-peak RSS per process (VmHWM, logged at every step).
+peak RSS per process (VmHWM, logged at every step). A lightning-elastic job that ends because
+it lost its sharded state (a commit no longer whole in memory, and no snapshot to fall back
+on) is reported with what it trained until then and its own message.
 
 Limits of this machine: 2 cores for 4 ranks (5 processes while a replacement starts), so
 steps take seconds (gloo moves 400 MB per collective through loopback TCP) and a process
@@ -53,6 +58,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -102,6 +108,8 @@ class Settings:
     bound: float  # seconds to wait for a step after a kill
     start_timeout: float
     workload_args: tuple[str, ...]  # passed to the workload in every arm (the model)
+    jitter: float = 0.0  # each kill moved by up to this many seconds either way (seeded)
+    seed: int = 35
 
 
 # ----- the arms -----------------------------------------------------------------------------------
@@ -158,6 +166,12 @@ def start(entry: dict[str, Any], directory: Path, settings: Settings) -> Run:
     return Run(command, directory, discovery=discovery)
 
 
+def jitters(settings: Settings) -> list[float]:
+    """Each kill's offset from its multiple of ``every``: uniform in +-``jitter`` s, the same list in every arm."""
+    rng = random.Random(settings.seed)
+    return [round(rng.uniform(-settings.jitter, settings.jitter), 3) for _ in range(1000)]
+
+
 def torchrun_command(inner: list[str], max_restarts: int | None = None) -> list[str]:
     """``torchrun --standalone --nnodes 1 --nproc-per-node 4`` (``inner`` starts with the interpreter: dropped)."""
     extra = ["--max-restarts", str(max_restarts)] if max_restarts is not None else []
@@ -183,7 +197,7 @@ def measure(entry: dict[str, Any], directory: Path, settings: Settings) -> dict[
     lost = None
     try:
         t0, kills = goodput.drive(run, entry["period"], entry["duration"], settings.bound, settings.start_timeout,
-                                  workers=WORKERS)
+                                  workers=WORKERS, jitter=jitters(settings))
         end = t0 + entry["duration"]
     except TrialError as err:
         # A lightning-elastic job that lost a commit ends: what it trained until then is kept,
@@ -439,7 +453,7 @@ def breakdown(results: dict[str, Any], entries: dict[str, Any]) -> str:
         record = results.get(key)
         if entry["kind"] != "le" or not record or not record.get("ok"):
             continue
-        f = record["value"]["failures"]
+        f = [x for x in record["value"]["failures"] if x.get("first_step_s") is not None]  # the job went on
         rows.append([entry["label"], *(_fmt(_median(_of(f, *path))) for path in (
             ("noticed_s",), ("formed_s",), ("shrink", "started_s"), ("shrink", "rebuild_s"),
             ("shrink", "transfer_s"), ("shrink", "ended_s"), ("resumed_s",), ("first_step_own_s",),
@@ -507,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
                                        "torchrun/ckpt-N)")
     parser.add_argument("--workload-args", default="", help="extra arguments for workloads/sharded_train.py "
                                                               "in every arm (the model: --width, --blocks, ...)")
+    parser.add_argument("--jitter", type=float, default=4.0,
+                        help="each kill at its multiple of --every plus a seeded uniform offset of up to this many "
+                             "seconds either way, the same offsets in every arm (default 4: about a commit cycle "
+                             "here, so kills do not lock to one point of it)")
+    parser.add_argument("--seed", type=int, default=35, help="seed of the kills' offsets (default 35)")
     parser.add_argument("--bound", type=float, default=180.0, help="seconds to wait for a step after a kill")
     parser.add_argument("--out", type=Path, required=True, help="results file (JSON)")
     parser.add_argument("--workdir", type=Path, required=True, help="every arm's logs go here")
@@ -518,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(every=args.every, duration=args.duration, torchrun_duration=args.torchrun_duration,
                         reference_duration=args.reference_duration, commit_every=args.commit_every,
                         checkpoint_every=every, preload=args.preload_modules or None, bound=args.bound,
-                        start_timeout=300.0, workload_args=tuple(args.workload_args.split()))
+                        start_timeout=300.0, workload_args=tuple(args.workload_args.split()), jitter=args.jitter,
+                        seed=args.seed)
     entries = arms(settings)
     if args.arms:
         wanted = [a for a in args.arms.split(",") if a]

@@ -253,11 +253,13 @@ class TorchftRun:
 
 
 def drive(run: Running, period: float | None, duration: float, bound: float, start_timeout: float,
-          workers: int = WORKERS) -> tuple[float, list[dict]]:
+          workers: int = WORKERS, jitter: Sequence[float] = ()) -> tuple[float, list[dict]]:
     """Train ``duration`` s from the first full-size step, SIGKILL every ``period`` s; (t0, kills).
 
-    Returns once the job has trained after its last kill (so the final state is known), or
-    raises TrialError. The caller stops the job.
+    ``jitter``: seconds added to each kill's time in turn (none: every ``period`` s exactly;
+    with steps of seconds, a period that is a multiple of the commit cycle would hit the same
+    point of it every time). Returns once the job has trained after its last kill (so the
+    final state is known), or raises TrialError. The caller stops the job.
     """
     reader = run.reader
 
@@ -273,7 +275,8 @@ def drive(run: Running, period: float | None, duration: float, bound: float, sta
     end = t0 + duration
     kills: list[dict] = []
     while period and t0 + (len(kills) + 1) * period < end:
-        _sleep_until(t0 + (len(kills) + 1) * period, run)
+        shift = jitter[len(kills)] if len(kills) < len(jitter) else 0.0
+        _sleep_until(t0 + (len(kills) + 1) * period + shift, run)
         if kills:
             _await_recovery(run, kills[-1], bound)
         victim = _victim(reader, 1 + len(kills) % (workers - 1), {k["pid"] for k in kills})
