@@ -226,9 +226,11 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     command = prepare_command(command, on_ray=ray is not None)
     # Checked here, not once the driver runs: a bad value is then one line, and nothing started.
     explicit_driver_address(args.driver_address, args.network_interface)
+    notices = []
     if args.min_np is None and np_ > 1:
-        log.info("Not elastic below -np: without --min-np, training needs all %d workers of -np (after a lost worker "
-                 "it waits, up to --elastic-timeout, for a replacement); pass --min-np to train on with fewer.", np_)
+        notices.append(f"Not elastic below -np: without --min-np, training needs all {np_} workers of -np (after a "
+                       "lost worker it waits, up to --elastic-timeout, for a replacement); pass --min-np to train on "
+                       "with fewer.")
     return LaunchConfig(
         timeouts=Timeouts(
             heartbeat_timeout=args.heartbeat_timeout,
@@ -266,6 +268,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         discovery_interval=args.discovery_interval,
         log_dir=args.log_dir,
         state_dir=args.state_dir,
+        notices=tuple(notices),
         driver_patience=args.driver_patience,
         preload=tuple(name.strip() for name in args.preload.split(",")) if args.preload is not None else (),
         verbose=args.verbose,

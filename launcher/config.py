@@ -207,6 +207,9 @@ class LaunchConfig:
     # --state-dir: where the driver keeps what a restarted driver needs to adopt the job
     # (launcher/restart/state_dir.py); local workers then outlive the driver. None: they die with it.
     state_dir: Path | None = None
+    # Lines the driver says at its start (after it holds --state-dir, so a refused second
+    # driver says nothing but the refusal): what the options mean for this job.
+    notices: tuple[str, ...] = ()
     # --driver-patience: with --state-dir, how long workers wait for an unreachable driver.
     driver_patience: float = 120.0
     # --preload: modules each machine's fork server imports once; the workers there are

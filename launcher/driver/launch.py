@@ -51,6 +51,8 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
     if config.state_dir is not None:
         state_dir = StateDir(config.state_dir)
         state_dir.lock()  # another driver runs this job: ConfigError, exit 2
+    for notice in config.notices:
+        log.info("%s", notice)
     try:
         return _launch(config, out, state_dir)
     finally:
