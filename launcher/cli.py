@@ -8,6 +8,7 @@ wins. No user input ends in a traceback: an invalid one is one line and exit sta
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import shlex
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                "repeatable options as a shell-quoted list); the command line wins.",
     )
     run.add_argument("-np", "--num-proc", dest="np", type=int, help="number of workers to start with "
-                     "(default: the slots of -H, or of localhost when no host source is given)")
+                     "(default: the slots of -H or --hostfile; the allocation's tasks with --slurm; 1, on localhost, "
+                     "with no host source; required with --host-discovery-script or --ray)")
     run.add_argument("--min-np", type=int, help="fewest workers to keep training with (default: -np)")
     run.add_argument("--max-np", type=int, help="most workers to run (default: -np)")
     run.add_argument("--spares", type=int, default=0, metavar="K",
@@ -170,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="complete snapshots to keep, older ones are deleted (default: 2)")
     durable.add_argument("--no-resume", action="store_true",
                          help="start over even if --snapshot-dir holds snapshots (new ones are still written)")
+    durable.add_argument("--resume-other-command", action="store_true",
+                         help="resume from the newest snapshot of --snapshot-dir even when another command wrote it "
+                              "(other arguments, another script); without it such a snapshot is refused")
     run.add_argument("--log-dir", type=Path, metavar="DIR",
                      help="also write each worker's output, and the job's events.jsonl timeline, to DIR")
     run.add_argument("--state-dir", type=Path, metavar="DIR",
@@ -191,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     command = list(args.command)
     if command and command[0] == "--":
-        command = command[1:]
+        command = command[1:]  # the user marked where the command starts: no hint below
+    else:
+        hint_misplaced_options(command)
     hosts: list[HostSlots] | None = None
     script = args.host_discovery_script.absolute() if args.host_discovery_script else None
     if args.hosts is not None:
@@ -219,6 +226,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     command = prepare_command(command, on_ray=ray is not None)
     # Checked here, not once the driver runs: a bad value is then one line, and nothing started.
     explicit_driver_address(args.driver_address, args.network_interface)
+    if args.min_np is None and np_ > 1:
+        log.info("Not elastic below -np: without --min-np, training needs all %d workers of -np (after a lost worker "
+                 "it waits, up to --elastic-timeout, for a replacement); pass --min-np to train on with fewer.", np_)
     return LaunchConfig(
         timeouts=Timeouts(
             heartbeat_timeout=args.heartbeat_timeout,
@@ -263,10 +273,23 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
+def hint_misplaced_options(command: Sequence[str]) -> None:
+    """A launch option among the command's arguments (``launch train.py -np 2``) goes to the
+    command, as everything after it does; said in one line, in case it was meant for launch."""
+    options = {o for a in launch_options(build_parser()) for o in a.option_strings}
+    misplaced = [a for a in command[1:] if a.split("=", 1)[0] in options]
+    if misplaced:
+        one = len(misplaced) == 1
+        log.info("Passing %s to the command, as everything after it: if %s meant for launch, put %s before the "
+                 "command (-- before the command silences this).", " ".join(misplaced), "it is" if one else "they are",
+                 "it" if one else "them")
+
+
 def snapshot_settings(args: argparse.Namespace) -> SnapshotSettings | None:
     if args.snapshot_dir is None:
         for option, value in (("--snapshot-every", args.snapshot_every), ("--snapshot-keep", args.snapshot_keep),
-                              ("--no-resume", args.no_resume or None)):
+                              ("--no-resume", args.no_resume or None),
+                              ("--resume-other-command", args.resume_other_command or None)):
             if value is not None:
                 raise ConfigError(f"{option}: only with --snapshot-dir")
         return None
@@ -278,6 +301,7 @@ def snapshot_settings(args: argparse.Namespace) -> SnapshotSettings | None:
             every=args.snapshot_every if args.snapshot_every is not None else defaults.every,
             keep=args.snapshot_keep if args.snapshot_keep is not None else defaults.keep,
             resume=not args.no_resume,
+            resume_other_command=args.resume_other_command,
         )
     except SnapshotError as err:
         raise ConfigError(str(err)) from None
@@ -358,10 +382,25 @@ def resolve_env(entry: str) -> tuple[str, str]:
 # ----- LIGHTNING_ELASTIC_* ----------------------------------------------------------------
 
 
-def launch_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """The ``launch`` sub-command's options (argparse keeps a parser's actions in ``_actions``)."""
+def verb_parser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:
+    """The sub-command ``verb``'s own parser (argparse keeps a parser's actions in ``_actions``)."""
     verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
-    return [a for a in verbs.choices["launch"]._actions if a.option_strings and a.dest != "help"]  # noqa: SLF001
+    return verbs.choices[verb]
+
+
+def launch_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The ``launch`` sub-command's options."""
+    return [a for a in verb_parser(parser, "launch")._actions if a.option_strings and a.dest != "help"]  # noqa: SLF001
+
+
+def unrecognized(arguments: Sequence[str], options: Sequence[str]) -> str:
+    """argparse's "unrecognized arguments", each option with the one it is closest to."""
+    said = []
+    for argument in arguments:
+        name = argument.split("=", 1)[0]
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.75) if name.startswith("-") else []
+        said.append(f"{argument} (did you mean {close[0]}?)" if close else argument)
+    return f"unrecognized arguments: {' '.join(said)}"
 
 
 def environment_name(action: argparse.Action) -> str:
@@ -380,7 +419,12 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     argv = list(sys.argv[1:] if argv is None else argv)
     environ = os.environ if environ is None else environ
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Said by the verb's own parser (its usage, not the top level's), with the option
+        # the user may have meant: --np is -np, --num_proc is --num-proc.
+        verb = verb_parser(parser, args.verb)
+        verb.error(unrecognized(unknown, [o for a in verb._actions for o in a.option_strings]))  # noqa: SLF001
     if args.verb != "launch":
         return args
     # Which options the command line gave: parsed again with no defaults, only they are set.

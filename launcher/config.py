@@ -87,6 +87,15 @@ class Timeouts:
     decide_every: float = 0.25
     # While the job waits for slots, a line saying what is missing this often.
     progress_every: float = 5.0
+    # A worker that failed before joining the job is explained by its last output line (an
+    # import error's): the loop waits at most this long in a turn for such workers' output
+    # to end (it ends with the process, unless something it started holds the pipe).
+    last_output: float = 0.5
+    # The job cannot start any more (its slots are gone) and every worker that ended failed
+    # before joining: the verdict waits this long for the workers still starting, so that
+    # it can say whether the script fails on every host (they fail the same way within
+    # milliseconds of each other) or not.
+    start_failure_grace: float = 5.0
 
     @property
     def heartbeat_period(self) -> float:

@@ -3,10 +3,11 @@
 Worker side. ``import lightning_elastic as le``; ``le.init()``; wrap the training function
 in ``@le.run`` with a ``le.TorchState``; ``state.commit()`` every few batches.
 
-Lightning users write ``Trainer(strategy="elastic_hvd")``: importing this package registers
-the name as soon as ``lightning.pytorch`` is imported (before or after this package), and
-``le.ElasticStrategy``, ``le.ElasticCallback`` and ``le.ScaleLearningRate`` load the
-Lightning integration on first use. A plain-PyTorch worker never imports Lightning.
+Lightning users write ``Trainer(strategy="elastic_hvd")`` (or ``"elastic_fsdp"`` for FSDP2 in
+``configure_model``): importing this package registers the names as soon as
+``lightning.pytorch`` is imported (before or after this package), and
+``le.ElasticStrategy``, ``le.ElasticFSDPStrategy``, ``le.ElasticCallback`` and
+``le.ScaleLearningRate`` load the Lightning integration on first use. A plain-PyTorch worker never imports Lightning.
 
 Driver side: ``lightning_elastic.launcher`` (the ``launcher/`` folder of the repository),
 which shares only ``lightning_elastic.protocol`` with the worker side.
@@ -34,7 +35,7 @@ _EXPORTS = {
     "lightning_elastic.training.state": ("ObjectState", "State", "TorchState"),
     "lightning_elastic.sharded.state": ("ShardedState",),
     "lightning_elastic.membership.worker": ("ElasticWorker", "SlotInfo"),
-    "lightning_elastic.lightning": ("ElasticCallback", "ElasticStrategy", "ScaleLearningRate"),
+    "lightning_elastic.lightning": ("ElasticCallback", "ElasticFSDPStrategy", "ElasticStrategy", "ScaleLearningRate"),
     "lightning_elastic.fabric": ("ElasticFabricStrategy", "FabricState"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     )
     from lightning_elastic.errors import CollectiveError, ElasticError, HostsUpdatedInterrupt, RendezvousError
     from lightning_elastic.fabric import ElasticFabricStrategy, FabricState
-    from lightning_elastic.lightning import ElasticCallback, ElasticStrategy, ScaleLearningRate
+    from lightning_elastic.lightning import ElasticCallback, ElasticFSDPStrategy, ElasticStrategy, ScaleLearningRate
     from lightning_elastic.membership.worker import ElasticWorker, SlotInfo
     from lightning_elastic.training.ddp import DistributedDataParallel
     from lightning_elastic.training.runner import run
@@ -94,6 +95,7 @@ __all__ = [
     "CollectiveError",
     "DistributedDataParallel",
     "ElasticCallback",
+    "ElasticFSDPStrategy",
     "ElasticStrategy",
     "ScaleLearningRate",
     "ElasticError",
@@ -104,6 +106,7 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "ObjectState",
     "RendezvousError",
+    "ShardedState",
     "SlotInfo",
     "State",
     "TorchState",

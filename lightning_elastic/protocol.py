@@ -91,6 +91,26 @@ RENDEZVOUS_POLL = 5.0  # longest the service holds a rendezvous request before "
 VERDICT_GRACE = 3.0
 
 
+# A text either side shows in one line (an error, a worker's last output line) is bounded
+# so: cut at the last word boundary before the bound, with this after it (never mid-word).
+ELLIPSIS = "..."
+_WHITESPACE = re.compile(r"\s")
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters; else its words that fit, then "...".
+
+    A single word longer than half the bound (a path, a hex dump) is cut where it must be.
+    """
+    if len(text) <= limit:
+        return text
+    room = max(0, limit - len(ELLIPSIS))
+    head = text[:room + 1]  # the character after the room tells whether a word ends there
+    cut = max((m.start() for m in _WHITESPACE.finditer(head)), default=-1)
+    kept = head[:cut] if cut > room // 2 else text[:room]
+    return kept.rstrip() + ELLIPSIS
+
+
 class ProtocolError(ValueError):
     """A message does not match the protocol; the text names the field and what was expected."""
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Creates .venv (once) and installs torch's CPU build (scripts/install-torch-cpu.sh), then
 # the project with the extras of one purpose:
-#   bash scripts/setup-venv.sh        the tests' (test, docs, timeline, ray): scripts/test.sh
-#   bash scripts/setup-venv.sh demo   the demo's (timeline, to draw its timeline): scripts/demo.sh
+#   bash scripts/setup-venv.sh        the tests' (test, docs, timeline, ray, cli): scripts/test.sh
+#   bash scripts/setup-venv.sh demo   the demo's (timeline, to draw its timeline; cli, for the README's
+#                                     LightningCLI command): scripts/demo.sh
 # Each purpose has its own stamp, so the demo never pulls the tests' extras (Ray, MkDocs);
 # the tests' set includes the demo's.
 set -euo pipefail
@@ -11,8 +12,8 @@ venv="$root/.venv"
 
 purpose="${1:-test}"
 case "$purpose" in
-    test) extras="test,docs,timeline,ray" ;;
-    demo) extras="timeline" ;;
+    test) extras="test,docs,timeline,ray,cli" ;;
+    demo) extras="timeline,cli" ;;
     *) echo "usage: $0 [test|demo]" >&2; exit 2 ;;
 esac
 

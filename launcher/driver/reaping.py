@@ -22,12 +22,25 @@ class Reaping:
 
     def _poll_exits(self) -> tuple[Exited, ...]:
         """The live workers whose process has ended since the last turn (O(N) polls, no
-        system call for a local child: its exit was recorded by the exit watcher or wait)."""
+        system call for a local child: its exit was recorded by the exit watcher or wait).
+
+        A worker that failed before it ever joined comes with its last output line (an
+        import error's, say): its output is awaited first, all such workers' together for
+        at most ``Timeouts.last_output``.
+        """
         exits = []
         processes = self._processes
+        deadline: float | None = None
         for record in self._state.live_workers():
             proc = processes[record.worker_id]
             status = proc.poll()
-            if status is not None:
-                exits.append(Exited(record.worker_id, status, proc.exit_detail()))
+            if status is None:
+                continue
+            last_line = ""
+            if status != 0 and not record.joined:
+                if deadline is None:
+                    deadline = self._clock() + self._config.timeouts.last_output
+                proc.finish_output(max(0.0, deadline - self._clock()))
+                last_line = proc.last_line()
+            exits.append(Exited(record.worker_id, status, proc.exit_detail(), last_line))
         return tuple(exits)

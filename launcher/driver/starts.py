@@ -22,6 +22,19 @@ log = logging.getLogger("lightning_elastic.driver")
 AUTOLOAD_DIR = Path(p.__file__).resolve().parent / "_autoload"
 
 
+def worker_pythonpath(given: str | None) -> str:
+    """The workers' ``PYTHONPATH``: our autoload folder first, then ``given`` (the driver's
+    own, or the one ``-x PYTHONPATH[=VALUE]`` passes), never instead of it.
+
+    The folder's ``sitecustomize`` registers ``strategy="elastic_hvd"`` when the script
+    imports Lightning; a ``-x PYTHONPATH`` that replaced it (mpirun's and horovodrun's
+    habit of forwarding one's own) silently turned that off.
+    """
+    ours = str(AUTOLOAD_DIR)
+    entries = [entry for entry in (given or "").split(os.pathsep) if entry and entry != ours]
+    return os.pathsep.join([ours, *entries])
+
+
 @dataclasses.dataclass(frozen=True)
 class _PendingStart:
     """A worker planned under the registry's lock, started once it is released."""
@@ -71,14 +84,14 @@ class WorkerStarts:
         """The variables every worker of the job gets (``_spawn`` adds each one's own)."""
         assert self._server is not None
         t = self._config.timeouts
-        # The driver's PYTHONPATH with our sitecustomize first: it registers
-        # strategy="elastic_hvd" when the script imports Lightning.
-        pythonpath = os.pathsep.join(filter(None, [str(AUTOLOAD_DIR), os.environ.get("PYTHONPATH")]))
+        given = dict(self._config.env)  # -x: the user's variables
+        # Our sitecustomize first, then the driver's PYTHONPATH or the one -x gives.
+        pythonpath = worker_pythonpath(given.pop("PYTHONPATH", os.environ.get("PYTHONPATH")))
         return {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # several workers per host would thrash
             "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
+            **given,
             "PYTHONPATH": pythonpath,
-            **dict(self._config.env),
             p.ENV_DRIVER_URL: self._server.url,
             p.ENV_HEARTBEAT_INTERVAL: str(t.heartbeat_period),
             p.ENV_HEARTBEAT_TIMEOUT: str(t.heartbeat_timeout),

@@ -86,12 +86,6 @@ def _verdict(state: JobState, view: membership.MembershipView, now: float, rules
     if available < required:
         if state.below_since is None:
             state.below_since = now
-        if now - state.short_of_slots_said_at >= config.timeouts.progress_every:
-            # Every few seconds, not once: a wait of minutes must not look like a hang.
-            state.short_of_slots_said_at = now
-            left = config.elastic_timeout - (now - state.below_since)
-            fx.warning("Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them.",
-                       required, available, listing(hosts, lambda h: f"{h.host}:{h.slots}") or "no host", left)
     else:
         state.below_since = None
         state.short_of_slots_said_at = 0.0
@@ -110,8 +104,30 @@ def _verdict(state: JobState, view: membership.MembershipView, now: float, rules
                         or _members_training(state)),
         blacklisted=tuple(state.tally.blacklisted),
         never_joined=state.never_joined if state.never_joined and not _anyone_joined(state) else "",
+        start_failures=_start_failures(state),
     )
-    return policy.decide_verdict(job, config.elastic_timeout)
+    verdict = policy.decide_verdict(job, config.elastic_timeout, config.timeouts.start_failure_grace)
+    if (verdict is None and state.below_since is not None and job.slots_can_grow
+            and now - state.short_of_slots_said_at >= config.timeouts.progress_every):
+        # Every few seconds, not once: a wait of minutes must not look like a hang. Not when
+        # the job has failed already, nor when the slots can never come (it is about to).
+        state.short_of_slots_said_at = now
+        left = config.elastic_timeout - (now - state.below_since)
+        fx.warning("Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them.",
+                   required, available, listing(hosts, lambda h: f"{h.host}:{h.slots}") or "no host", left)
+    return verdict
+
+
+def _start_failures(state: JobState) -> policy.StartFailuresView | None:
+    """What the verdict knows of workers that failed before joining, while none ever joined
+    (O(N), only then: such a job has at most its first workers)."""
+    failures = state.start_failures
+    if failures.first is None or _anyone_joined(state):
+        return None
+    worker_id, status, last_line = failures.first
+    starting = sum(1 for w in state.live_workers() if not w.joined)
+    return policy.StartFailuresView(failures.count, tuple(sorted(failures.hosts)), worker_id, status, last_line,
+                                    starting)
 
 
 def _members_training(state: JobState) -> bool:

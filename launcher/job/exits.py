@@ -51,6 +51,7 @@ class ExitFacts:
     # Adopted from a previous driver and exited with protocol.EXIT_DRIVER_GONE: it waited for
     # a driver for its whole --driver-patience (a status of this driver's own workers is theirs).
     gave_up_on_driver: bool = False
+    last_line: str = ""  # its last output line (kept for a worker that failed before it joined)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,9 @@ class ExitVerdict:
     blacklist: bool = False  # its slot (or host) is taken out of the job
     host_failed: bool = False  # the failure was the host's own: blacklist the whole host
     never_joined: bool = False  # exited 0 without ever reaching the rendezvous
+    # Failed (non-zero, or a signal not the driver's) before ever reaching the rendezvous: an
+    # import error, a syntax error, a missing file. On every host, the script's own failure.
+    failed_before_joining: bool = False
 
 
 def describe_status(status: int) -> str:
@@ -104,7 +108,19 @@ def classify_exit(facts: ExitFacts) -> ExitVerdict:
         host_failed=bool(f.detail),
         # A script that ran and ended without joining; not a lost host (``detail``).
         never_joined=f.status == 0 and not f.joined and not f.detail,
+        failed_before_joining=_failed_before_joining(f),
     )
+
+
+def _failed_before_joining(f: ExitFacts) -> bool:
+    """Did the script itself fail before it joined (not the host, not the driver)?"""
+    return f.status != 0 and not f.joined and not f.detail and not f.kill_reason and not f.leave
+
+
+def start_failure(worker_id: str, status: int, last_line: str) -> str:
+    """``worker ID exited with status 1: LAST LINE``: a failure before joining, as the
+    job's verdict names it."""
+    return f"worker {worker_id} {describe_status(status)}" + (f": {last_line}" if last_line else "")
 
 
 def failure_text(f: ExitFacts) -> str:
@@ -117,6 +133,10 @@ def failure_text(f: ExitFacts) -> str:
         how = "exited with status 0 after training returned"
     elif f.status == 0:
         how = "exited with status 0 without reporting that training returned"
+    elif _failed_before_joining(f):
+        how = f"{describe_status(f.status)} before joining the job"
+        if f.last_line:
+            how += f": {f.last_line}"
     else:
         how = describe_status(f.status)
     if f.outcome == Outcome.DONE and f.status != 0:

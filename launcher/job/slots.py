@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -62,11 +63,22 @@ def parse_host_entry(entry: str, default_slots: int | None, what: str) -> HostSl
     return HostSlots(host, slots)
 
 
+# What users separate hosts with elsewhere (a shell list, a copied mpirun line): -H takes commas.
+_OTHER_SEPARATORS = re.compile(r"[;|\s]+")
+
+
 def parse_host_list(text: str, default_slots: int | None = None) -> list[HostSlots]:
     """Parse ``-H host1:2,host2:1``."""
     entries = [e for e in text.split(",") if e.strip()]
     if not entries:
         raise ConfigError(f"-H/--hosts: empty host list {text!r}, expected HOST:SLOTS[,HOST:SLOTS...]")
+    for entry in entries:
+        found = _OTHER_SEPARATORS.search(entry.strip())
+        if found:  # "a:1;b:1" would be one host named "a:1;b"
+            separator = found.group()[0]
+            commas = ",".join(e for e in _OTHER_SEPARATORS.split(text.strip()) if e)
+            raise ConfigError(f"-H/--hosts: {text!r} separates hosts with {separator!r}: expected commas, "
+                              f"HOST:SLOTS[,HOST:SLOTS...] (-H {commas})")
     return _unique([parse_host_entry(e, default_slots, "-H/--hosts") for e in entries], "-H/--hosts")
 
 

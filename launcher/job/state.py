@@ -159,6 +159,22 @@ class Tally:
 
 
 @dataclasses.dataclass
+class StartFailures:
+    """Workers whose script failed before they ever reached the rendezvous (an import error,
+    a syntax error, a missing file): how many, on which hosts, and the first one's exit."""
+
+    count: int = 0
+    hosts: set[str] = dataclasses.field(default_factory=set)  # bounded by the job's hosts
+    first: tuple[str, int, str] | None = None  # (worker id, exit status, its last output line)
+
+    def add(self, worker_id: str, host: str, status: int, last_line: str) -> None:
+        self.count += 1
+        self.hosts.add(host)
+        if self.first is None:
+            self.first = (worker_id, status, last_line)
+
+
+@dataclasses.dataclass
 class JobState:
     """The whole job as the driver knows it (see the module docstring)."""
 
@@ -215,6 +231,8 @@ class JobState:
     # The failure of a worker that exited 0 without ever reaching the rendezvous: a script
     # that does not join the job (see verdict.JobView.never_joined).
     never_joined: str = transient(default="")
+    # Workers that failed before ever reaching the rendezvous (see verdict.StartFailures).
+    start_failures: StartFailures = transient(default_factory=lambda: StartFailures())
     # --- what the summary counts, and the blacklist ---
     tally: Tally = dataclasses.field(default_factory=lambda: Tally())
     blacklist: Blacklist = dataclasses.field(default_factory=Blacklist)

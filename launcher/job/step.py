@@ -41,6 +41,7 @@ class Exited:
     worker_id: str
     status: int
     detail: str = ""
+    last_line: str = ""  # its last output line, for a worker that failed before it joined
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def _apply_exit(state: JobState, record: WorkerRecord, exited: Exited, now: floa
         record.worker_id, status, exited.detail, report.outcome if report else None,
         report.message if report else "", record.joined, record.leave, record.departing,
         record.kill_reason, state.current_member(record), finishing,
-        gave_up_on_driver=record.adopted and status == EXIT_DRIVER_GONE))
+        gave_up_on_driver=record.adopted and status == EXIT_DRIVER_GONE, last_line=exited.last_line))
     worker, host = record.worker_id, record.slot.host
     if verdict.kind is ExitKind.DONE:
         record.state = WorkerState.DONE
@@ -174,6 +175,8 @@ def _apply_exit(state: JobState, record: WorkerRecord, exited: Exited, now: floa
             rounds.mark_round_broken(state, state.round.number, f"worker {worker} was stopped", fx,
                                      repeated_error_limit=rules.config.repeated_error_limit)
     else:
+        if verdict.failed_before_joining:
+            state.start_failures.add(record.worker_id, record.slot.host, status, exited.last_line)
         _fail(state, record, verdict.failure, verdict.break_round, verdict.blacklist, verdict.host_failed,
               verdict.never_joined, now, rules, fx)
     if finishing and state.first_exit is None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from lightning_elastic.launcher.job.exits import start_failure
 from lightning_elastic.launcher.job.state import WorkerState
+from lightning_elastic.launcher.job.wording import listing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,21 @@ class JobView:
     # le.init()). Once another worker has joined, the script joins on some hosts and not on
     # others: the failure is that host's (or slot's), not the job's.
     never_joined: str = ""
+    # Workers that failed before joining, while no worker of the job ever joined (None
+    # otherwise): when the job cannot start any more, the script failed, not the hosts.
+    start_failures: StartFailuresView | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StartFailuresView:
+    """The script failed before joining on these workers, and no worker ever joined."""
+
+    count: int  # workers that failed before joining
+    hosts: tuple[str, ...]  # their hosts, sorted
+    worker_id: str  # the first of them ...
+    status: int  # ... its exit status ...
+    last_line: str  # ... and its last output line ("": it printed nothing)
+    still_starting: int  # live workers that have not joined yet (they may fail the same way)
 
 
 # The fix for a command that exits without joining the job.
@@ -56,8 +73,13 @@ JOIN_HINT = (
 )
 
 
-def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
-    """The job's end, or None while it goes on. Checked in order of how informative it is."""
+def decide_verdict(view: JobView, elastic_timeout: float, start_failure_grace: float = 5.0) -> Verdict | None:
+    """The job's end, or None while it goes on. Checked in order of how informative it is.
+
+    ``start_failure_grace`` (``Timeouts.start_failure_grace``): once the job cannot start
+    and every worker that ended failed before joining, how long the verdict waits for the
+    workers still starting, to say whether the script failed on every host.
+    """
     members = view.members
     if view.repeated_error:
         return Verdict(False, view.repeated_error)
@@ -84,6 +106,29 @@ def decide_verdict(view: JobView, elastic_timeout: float) -> Verdict | None:
             f"all {len(members)} worker(s) of round {view.round_number} failed; "
             f"first: {failed[0].failure}",
         )
+    out_of_slots = _out_of_slots(view, elastic_timeout)
+    if out_of_slots is None or view.start_failures is None:
+        return out_of_slots
+    # No worker ever joined, and those that ended failed before joining: the hosts are not
+    # the cause (no advice about --min-np or hosts), the script is; its error says why.
+    failures = view.start_failures
+    if failures.still_starting and (view.below_required_for or 0.0) < start_failure_grace:
+        return None  # the others run the same script: wait (bounded) for how they end
+    return Verdict(False, script_failed(failures))
+
+
+def script_failed(failures: StartFailuresView) -> str:
+    """The verdict when the script failed before joining: where, and its error's last line."""
+    first = start_failure(failures.worker_id, failures.status, failures.last_line)
+    hosts = listing(failures.hosts)
+    if failures.still_starting:
+        return (f"the script failed before joining the job ({failures.count} worker(s) on {hosts}; none joined, "
+                f"{failures.still_starting} still starting): {first}")
+    return f"the script failed on every host before joining the job ({failures.count} worker(s) on {hosts}): {first}"
+
+
+def _out_of_slots(view: JobView, elastic_timeout: float) -> Verdict | None:
+    """The job's end for want of hosts or slots, or None."""
     if view.live_workers == 0 and view.blacklisted_hosts:
         detail = f"; last failure: {view.last_failure}" if view.last_failure else ""
         return Verdict(False, f"every host is blacklisted ({', '.join(view.blacklisted_hosts)}){detail}")

@@ -334,9 +334,9 @@ def main(argv: list[str]) -> int:
     try:
         failure = _preload(modules)
         if failure is not None:
-            # Said once here, and to every client, which starts cold at once instead of
-            # waiting for a socket that will never answer.
-            print(f"lightning-elastic: --preload: {failure}: workers start cold", file=sys.stderr, flush=True)
+            # Said to every client, which starts cold at once instead of waiting for a socket
+            # that will never answer, and says why in its one line: not here too (two lines,
+            # "workers start cold" and "starting cold", for one fact).
             listener.close()
             with open(os.path.join(directory, FAILED), "w") as f:
                 f.write(failure)

@@ -73,6 +73,11 @@ class WorkerProcess(Protocol):
         """Why the process ended, beyond its status (e.g. the ssh error), or ''."""
         ...
 
+    def last_line(self) -> str:
+        """The last line of output it forwarded (bounded), or ''; complete once
+        ``finish_output`` returned."""
+        ...
+
 
 class EndedProcess:
     """A worker process that has already ended: reaped at the next turn with ``status`` and
@@ -99,6 +104,9 @@ class EndedProcess:
 
     def exit_detail(self) -> str:
         return self._detail
+
+    def last_line(self) -> str:
+        return ""
 
 
 class NotStarted(EndedProcess):

@@ -224,6 +224,9 @@ class DetachedProcess:
     def exit_detail(self) -> str:
         return ""
 
+    def last_line(self) -> str:
+        return self._forwarder.last_line if self._forwarder is not None else ""
+
 
 class LostProcess(EndedProcess):
     """A worker of the previous driver that could not be adopted (gone, or not local):

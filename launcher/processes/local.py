@@ -66,5 +66,8 @@ class LocalProcess:
     def finish_output(self, timeout: float = 5.0) -> None:
         self._forwarder.join(timeout)
 
+    def last_line(self) -> str:
+        return self._forwarder.last_line
+
     def exit_detail(self) -> str:
         return ""

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
+from lightning_elastic.protocol import clip
+
 log = logging.getLogger("lightning_elastic.driver")
 
 # What writing to a dead stream raises: OSError for a broken pipe (EPIPE), a hung-up
@@ -112,6 +114,8 @@ def as_sink(out: IO[str] | OutputSink | None) -> OutputSink:
 
 # The most of one line held in memory: a longer one is forwarded in pieces of this size.
 MAX_LINE = 64 * 1024
+# The most of a worker's last line kept to explain its failure (an exception's last line).
+LAST_LINE_CHARS = 300
 _PIECE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
 
 
@@ -148,6 +152,9 @@ class LineForwarder:
         self._log_file = log_file
         self._log = open(log_file, "a", buffering=1) if log_file else None  # noqa: SIM115
         self._thread = threading.Thread(target=self._forward, name=name, daemon=True)
+        # The last line with text in it, bounded: what a failed worker said last (its
+        # exception's last line), read once the stream ended (``join``).
+        self.last_line = ""
 
     def start(self) -> None:
         self._thread.start()
@@ -166,6 +173,8 @@ class LineForwarder:
                 if not self._sink.closed:
                     self._sink.write(f"{self._prefix()}{line}")
                 self._write_log(line)
+                if not line.isspace():
+                    self.last_line = clip(line.strip(), LAST_LINE_CHARS)
         finally:
             # EOF: the worker and whatever it started have closed the pipe. Our end goes
             # too, so a job that replaces workers for weeks holds no descriptor per worker.

@@ -203,6 +203,9 @@ class SshProcess:
         self._forwarder.join(timeout)
         self._control.join(timeout)
 
+    def last_line(self) -> str:
+        return self._forwarder.last_line
+
     def exit_detail(self) -> str:
         if self._status is not None or self._killed or self._proc.returncode is None:
             return ""

@@ -47,7 +47,9 @@ class Resume:
 def choose(settings: SnapshotSettings | None, command: Iterable[str], events: EventLog) -> Resume | None:
     """Prepare the snapshot directory and pick the newest valid snapshot to resume from.
 
-    Raises ``ConfigError`` (nothing has started) when the directory cannot be created.
+    Raises ``ConfigError`` (nothing has started) when the directory cannot be created, or
+    when its newest snapshot was written by another command (another job id) and
+    ``--resume-other-command`` was not given.
     """
     if settings is None:
         return None
@@ -78,9 +80,14 @@ def choose(settings: SnapshotSettings | None, command: Iterable[str], events: Ev
         return Resume(env, None)
     m = found.manifest
     if m.job_id and m.job_id != job_id:
+        if not settings.resume_other_command:
+            # Another script's or model's state, resumed silently, trained nothing (issue 37, item 8).
+            raise ConfigError(
+                f"--snapshot-dir: {found.name} in {directory} was written by another command (job id {m.job_id}, "
+                f"this one's is {job_id}): pass --no-resume or another --snapshot-dir to start over, or "
+                "--resume-other-command to resume from it")
         log.warning("Snapshot %s was written by a launch with another command (job id %s, this one %s): resuming "
-                    "from it anyway; pass --no-resume or another --snapshot-dir to start over.",
-                    found.name, m.job_id, job_id)
+                    "from it (--resume-other-command).", found.name, m.job_id, job_id)
     if m.library != __version__:
         log.warning("Snapshot %s was written by lightning-elastic %s, this is %s: resuming from it (its format, %d, "
                     "is one this version reads).", found.name, m.library, __version__, m.format)

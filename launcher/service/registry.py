@@ -54,6 +54,7 @@ from lightning_elastic.protocol import (
     RoundLostReply,
     RoundLostRequest,
     RENDEZVOUS_POLL,
+    clip,
 )
 
 
@@ -305,7 +306,7 @@ class Registry:
                 if asker is not None:
                     self.wake(asker)  # one more of its peers may have shown it is alive
             if request.snapshots_written or request.snapshots_failed:
-                record.snapshots = (request.snapshots_written, request.snapshots_failed, request.snapshot_error[:200])
+                record.snapshots = (request.snapshots_written, request.snapshots_failed, clip(request.snapshot_error, 200))
             if request.stepped_round > 0:
                 known = self.state.first_steps.get(request.stepped_round)
                 if known is None or request.stepped_at < known:
@@ -475,7 +476,7 @@ class Registry:
             record.report = report
             record.reported_at = self._clock()
             if report.snapshots_written or report.snapshots_failed:
-                record.snapshots = (report.snapshots_written, report.snapshots_failed, report.snapshot_error[:200])
+                record.snapshots = (report.snapshots_written, report.snapshots_failed, clip(report.snapshot_error, 200))
             self.reports += 1
             if report.outcome == Outcome.DONE and self.current_member(record):
                 number = self.state.round.number  # type: ignore[union-attr]

@@ -26,6 +26,16 @@ overwritten) is skipped when resuming, with a warning, in favour of the previous
 The directory may also be an fsspec URL (``s3://bucket/prefix``): every file operation
 goes through a ``snapshot_fs.Store``, which for an object store writes each file under
 its final name (no rename there); the manifest, written last, still decides.
+
+A **sharded** snapshot (``lightning_elastic.sharded.snapshots``, manifest kind
+``"sharded"``, format 2) keeps its data in a torch.distributed.checkpoint directory,
+``snapshot-step-STEP-TOKEN.dcp`` (one data file per rank and ``.metadata``), which every
+rank of a round writes into without knowing ``N``; its manifest, ``snapshot-N-step-STEP.json``
+as above, names that directory (``data``) and each file's size and SHA-256 (``parts``).
+A directory that no manifest names is incomplete (a rank did not write its part) and is
+removed as a leftover: by the round that wrote it once a later snapshot of the round is
+published or given up on, or by anyone once nothing in it changed for
+``FOREIGN_TEMP_AGE`` seconds (``remove_sharded_leftovers``).
 """
 
 from __future__ import annotations
@@ -35,10 +45,12 @@ import hashlib
 import json
 import math
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from lightning_elastic.durable.fs import (  # noqa: F401 - re-exported: files is the API
+    FOREIGN_TEMP_AGE,
     TEMP_PREFIX,
     Location,
     SnapshotError,
@@ -53,10 +65,15 @@ from lightning_elastic.durable.fs import (  # noqa: F401 - re-exported: files is
     write_atomically,
 )
 
-# The manifest's format: a snapshot written by a newer format is refused, not guessed at.
-FORMAT = 1
+# The newest manifest format this version reads: a newer one is refused, not guessed at.
+FORMAT = 2
+FORMAT_SINGLE = 1  # the data in one file, snapshot-N-step-STEP.pt (what older versions read too)
+FORMAT_SHARDED = 2  # the data in a DCP directory that the manifest names, with each file's checksum
+SHARDED = "sharded"  # the manifest kind of a sharded snapshot
 # A snapshot's files: snapshot-N-step-STEP.{pt,json}, or the previous naming snapshot-N.{pt,json}.
 _FILE = re.compile(r"^snapshot-(\d{1,12})(?:-step-(\d{1,18}))?\.(json|pt)$")
+# A sharded snapshot's DCP directory: the commit's step and the round's token (see sharded_data_name).
+_SHARDED_DATA = re.compile(r"^snapshot-step-(\d{1,18})-([0-9a-f]{4,32})\.dcp$")
 _CHUNK = 1 << 22
 
 # What the launcher tells its workers (--snapshot-*); read by lightning_elastic.durable.store.
@@ -77,6 +94,9 @@ class SnapshotSettings:
     every: float = 60.0  # seconds between the starts of two snapshots
     keep: int = 2  # complete snapshots kept; older ones are deleted
     resume: bool = True  # False: --no-resume, start over even if the directory holds snapshots
+    # --resume-other-command: resume from a snapshot another command wrote (its job id
+    # differs: other arguments, another script); refused without it (the launcher's check).
+    resume_other_command: bool = False
 
     def __post_init__(self) -> None:
         if not str(self.directory).strip():
@@ -91,6 +111,8 @@ class SnapshotSettings:
             raise SnapshotError(f"--snapshot-every: expected a positive, finite number of seconds, got {self.every}")
         if self.keep < 1:
             raise SnapshotError(f"--snapshot-keep: expected 1 or more snapshots to keep, got {self.keep}")
+        if self.resume_other_command and not self.resume:
+            raise SnapshotError("--resume-other-command: not with --no-resume, which starts over")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +129,19 @@ class Manifest:
     library: str  # lightning-elastic version
     torch: str
     job_id: str  # the launch that wrote it (same command: same id); "" when unknown
-    kind: str  # "state" (le.TorchState / ObjectState), "lightning" (a checkpoint), "fabric"
-    sha256: str  # of the data file
-    size: int  # the data file's bytes
-    format: int = FORMAT
+    kind: str  # "state" (le.TorchState / ObjectState), "lightning" (a checkpoint), "fabric", "sharded"
+    sha256: str  # of the data file (sharded: of ``parts`` as sorted JSON)
+    size: int  # the data file's bytes (sharded: all its files')
+    format: int = FORMAT_SINGLE
+    # A sharded snapshot's DCP directory, and each of its files' {"size", "sha256"} by name.
+    data: str = ""
+    parts: dict[str, dict[str, Any]] | None = None
 
     @property
     def data_name(self) -> str:
-        """The data file's name as this version writes it (a manifest read from the
-        directory names its data file by its own name: see ``data_name_of``)."""
-        return f"snapshot-{self.sequence}-step-{self.step}.pt"
+        """The data's name as this version writes it (a manifest read from the directory
+        names a data file by its own name: see ``data_name_of``)."""
+        return self.data or f"snapshot-{self.sequence}-step-{self.step}.pt"
 
     @property
     def manifest_name(self) -> str:
@@ -134,10 +159,11 @@ class Manifest:
         if not isinstance(data, dict):
             raise SnapshotError(f"{where}: expected a JSON object")
         fields = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(fields - set(data) - {"format"})
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = sorted(required - set(data))
         if missing:
             raise SnapshotError(f"{where}: missing field(s) {', '.join(missing)}")
-        fmt = data.get("format", FORMAT)
+        fmt = data.get("format", FORMAT_SINGLE)
         if not isinstance(fmt, int) or fmt > FORMAT:
             raise SnapshotError(f"{where}: written in snapshot format {fmt!r}, this lightning-elastic reads "
                                 f"format {FORMAT} and older: resume with the version that wrote it")
@@ -145,12 +171,28 @@ class Manifest:
         for name, kind in (("sequence", int), ("step", int), ("round", int), ("size", int), ("sha256", str)):
             if not isinstance(values[name], kind) or isinstance(values[name], bool):
                 raise SnapshotError(f"{where}: field {name} is not {kind.__name__}")
+        if values.get("data") or fmt >= FORMAT_SHARDED:
+            _check_sharded_fields(values, where)
         return cls(**values)
+
+
+def _check_sharded_fields(values: dict[str, Any], where: str) -> None:
+    data, parts = values.get("data"), values.get("parts")
+    if not isinstance(data, str) or not _SHARDED_DATA.match(data):
+        raise SnapshotError(f"{where}: field data is not a sharded snapshot's directory name "
+                            "(snapshot-step-STEP-TOKEN.dcp)")
+    if not isinstance(parts, dict) or not parts:
+        raise SnapshotError(f"{where}: field parts is not a non-empty object")
+    for name, part in parts.items():
+        if "/" in name or name in ("", ".", "..") or not isinstance(part, dict) or \
+                not isinstance(part.get("size"), int) or not isinstance(part.get("sha256"), str):
+            raise SnapshotError(f"{where}: parts[{name!r}] is not a file name with its size and sha256")
 
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """A snapshot on disk: its manifest and the data file's path (or URL)."""
+    """A snapshot on disk: its manifest and the data file's path (or URL); a sharded
+    snapshot's is its DCP directory, which ``torch.distributed.checkpoint.load`` reads."""
 
     manifest: Manifest
     path: Location
@@ -230,6 +272,29 @@ def data_name_of(manifest_name: str) -> str:
     return manifest_name.removesuffix(".json") + ".pt"
 
 
+def sharded_data_name(step: int, token: str) -> str:
+    """The DCP directory of a sharded snapshot: named from what every rank of the round
+    knows (the commit's step and the round's token), not ``N``, which only rank 0 picks."""
+    name = f"snapshot-step-{step}-{token}.dcp"
+    if not _SHARDED_DATA.match(name):
+        raise SnapshotError(f"token {token!r}: expected 4 to 32 lowercase hex digits")
+    return name
+
+
+def _data_of(store: Store, manifest_name: str) -> tuple[str, bool]:
+    """``(name, is a directory)`` of the data of the manifest ``manifest_name``. A manifest
+    that cannot be read is taken for a single file's: a sharded one's directory is then
+    named by no manifest, a leftover (``remove_sharded_leftovers``)."""
+    try:
+        data = json.loads(store.read_bytes(manifest_name).decode())
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = {}
+    name = data.get("data") if isinstance(data, dict) else None
+    if isinstance(name, str) and _SHARDED_DATA.match(name):
+        return name, True
+    return data_name_of(manifest_name), False
+
+
 def publish(directory: Location | Store, manifest: Manifest) -> None:
     """Write ``manifest`` next to its data file, which is complete and durable already
     (never over an existing manifest: ``FileExistsError``)."""
@@ -246,8 +311,9 @@ def prune(directory: Location | Store, keep: int) -> None:
     every = _snapshot_files(store)
     manifests = [(key, name) for key, name, kind in every if kind == "json"]
     for _key, manifest in manifests[: max(0, len(manifests) - keep)]:
-        for name in (manifest, data_name_of(manifest)):
-            store.delete(name)
+        data, is_directory = _data_of(store, manifest)
+        store.delete(manifest)
+        (store.delete_tree if is_directory else store.delete)(data)
     kept = manifests[max(0, len(manifests) - keep):]
     if kept:
         with_manifest = {data_name_of(name) for _key, name in manifests}
@@ -255,6 +321,43 @@ def prune(directory: Location | Store, keep: int) -> None:
             if kind == "pt" and name not in with_manifest and key < kept[0][0]:
                 store.delete(name)
     store.clean_up()
+    remove_sharded_leftovers(store)
+
+
+def remove_sharded_leftovers(directory: Location | Store, token: str = "", up_to_step: int = -1,
+                             now: Callable[[], float] = time.time) -> list[str]:
+    """Remove the sharded snapshot directories that no manifest names and whose writers are
+    done with them; returns their names.
+
+    Those of the round ``token`` up to ``up_to_step`` go at once: the round's rank 0 calls
+    this when it published or gave up on the snapshot of ``up_to_step``, and the round's
+    earlier snapshots were published or given up before it (a rank still writing into one
+    of them is a straggler whose part can no longer be used). Any other one goes when
+    nothing in it changed for ``FOREIGN_TEMP_AGE`` seconds (another round's or launch's,
+    whose rank 0 died or gave up), never while a live writer writes in it.
+    """
+    store = open_store(directory)
+    names = store.names()
+    named = set()
+    for name in names:
+        match = _FILE.match(name)
+        if match and match.group(3) == "json":
+            data, is_directory = _data_of(store, name)
+            if is_directory:
+                named.add(data)
+    removed = []
+    for name in names:
+        match = _SHARDED_DATA.match(name)
+        if match is None or name in named:
+            continue
+        ours = match.group(2) == token and int(match.group(1)) <= up_to_step
+        if not ours:
+            quiet = store.quiet_since(name)
+            if quiet is None or now() - quiet <= FOREIGN_TEMP_AGE:
+                continue
+        store.delete_tree(name)
+        removed.append(name)
+    return removed
 
 
 def snapshots(directory: Location | Store) -> Iterator[tuple[int, Location]]:
@@ -269,6 +372,17 @@ def check(manifest_path: Location, verify: bool = True) -> Found:
     return _check(store, name, verify)
 
 
+def check_sharded(data: Location, verify: bool = True) -> Found:
+    """The sharded snapshot whose DCP directory is ``data``, verified; ``SnapshotError`` says
+    why not (no manifest names it: incomplete, or pruned)."""
+    store, name = split(data)
+    for _key, manifest_name in reversed(_manifest_files(store)):
+        if _data_of(store, manifest_name) == (name, True):
+            return _check(store, manifest_name, verify)
+    raise SnapshotError(f"{data}: no manifest names this sharded snapshot (incomplete: a rank did not write its "
+                        "part; or pruned)")
+
+
 def _check(store: Store, manifest_name: str, verify: bool) -> Found:
     where = store.location(manifest_name)
     try:
@@ -276,6 +390,8 @@ def _check(store: Store, manifest_name: str, verify: bool) -> Found:
     except (OSError, UnicodeDecodeError) as err:
         raise SnapshotError(f"{where}: cannot read the manifest ({err})") from None
     manifest = Manifest.from_json(text, str(where))
+    if manifest.data:
+        return _check_sharded(store, manifest, verify)
     data_name = data_name_of(manifest_name)
     data = store.location(data_name)
     try:
@@ -292,6 +408,21 @@ def _check(store: Store, manifest_name: str, verify: bool) -> Found:
         if digest != manifest.sha256:
             raise SnapshotError(f"{data}: checksum mismatch (corrupt or overwritten)")
     return Found(manifest, data)
+
+
+def _check_sharded(store: Store, manifest: Manifest, verify: bool) -> Found:
+    directory = store.child(manifest.data)
+    for name, part in sorted((manifest.parts or {}).items()):
+        where = directory.location(name)
+        try:
+            size = directory.size(name)
+            if size != part["size"]:
+                raise SnapshotError(f"{where}: {size} bytes, its manifest says {part['size']} (torn or truncated)")
+            if verify and store_sha256(directory, name) != part["sha256"]:
+                raise SnapshotError(f"{where}: checksum mismatch (corrupt or overwritten)")
+        except OSError as err:
+            raise SnapshotError(f"{where}: {err.strerror or err}") from None
+    return Found(manifest, store.location(manifest.data))
 
 
 def newest_valid(directory: Location | Store, warn: Callable[[str], None]) -> Found | None:

@@ -1,7 +1,9 @@
 """Where snapshots are kept: a local directory, or an fsspec URL (an object store).
 
 The snapshot logic (``durable.files``) reads and writes through one small interface,
-``Store``: list the names in the directory, read, size, write one file, delete. Two kinds:
+``Store``: list the names in the directory, read, size, write one file, delete; and, for a
+sharded snapshot's DCP directory, a sub-directory's store, its removal, and when anything
+in it last changed. Two kinds:
 
 * ``LocalStore`` (a path): a file is written under a temporary name, fsynced, renamed (or,
   for a snapshot's files, hard-linked: never over an existing file) into place and the
@@ -34,6 +36,7 @@ import fcntl
 import hashlib
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -151,6 +154,16 @@ class Store(Protocol):
     def clean_up(self) -> None:
         """Remove the temporary files of dead writers (any process's), never a live one's."""
 
+    def child(self, name: str) -> Store:
+        """The store of the sub-directory ``name`` (a sharded snapshot's DCP directory)."""
+
+    def delete_tree(self, name: str) -> None:
+        """Remove the sub-directory ``name`` and everything in it; one already gone is no error."""
+
+    def quiet_since(self, name: str) -> float | None:
+        """When anything in the sub-directory ``name`` last changed (wall clock, seconds), or
+        None when it cannot tell, the directory is gone, or a live writer writes in it."""
+
 
 class LocalStore:
     """A directory on a local or shared file system: temporary name, fsync, atomic rename."""
@@ -195,6 +208,30 @@ class LocalStore:
         for name in self.names():
             if name.startswith(TEMP_PREFIX) and temp_is_abandoned(self.directory / name):
                 self.delete(name)
+
+    def child(self, name: str) -> LocalStore:
+        return LocalStore(self.directory / name)
+
+    def delete_tree(self, name: str) -> None:
+        try:
+            shutil.rmtree(self.directory / name)
+        except FileNotFoundError:
+            pass
+
+    def quiet_since(self, name: str) -> float | None:
+        path = self.directory / name
+        try:
+            newest = path.stat().st_mtime
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    # A file being written changes no directory entry for as long as the write
+                    # lasts: its writer's lock says it is alive (see temp_is_abandoned).
+                    if entry.name.startswith(TEMP_PREFIX) and not temp_is_abandoned(Path(entry.path)):
+                        return None
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            return None
+        return newest
 
 
 def _pid_space() -> str:
@@ -438,3 +475,41 @@ class FsspecStore:
 
     def clean_up(self) -> None:
         pass  # no temporary objects (an S3 multipart upload of a killed writer: see the module's docstring)
+
+    def child(self, name: str) -> FsspecStore:
+        return FsspecStore(self.location(name))
+
+    def delete_tree(self, name: str) -> None:
+        def delete() -> None:
+            try:
+                self._fs.rm(self._path(name), recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._call(name, delete)
+
+    def quiet_since(self, name: str) -> float | None:
+        """The newest modification time its objects report (implementations name it
+        differently, and some report none: then None, and age never removes it)."""
+        try:
+            self._fresh(self._path(name))
+            entries = self._fs.ls(self._path(name), detail=True)
+        except Exception:  # noqa: BLE001 - cannot tell: kept
+            return None
+        times = [_timestamp(e.get(k)) for e in entries for k in ("mtime", "LastModified", "last_modified",
+                                                                   "updated", "created")]
+        known = [t for t in times if t is not None]
+        return max(known) if known else None
+
+
+def _timestamp(value: Any) -> float | None:
+    """A modification time as fsspec implementations report one (a number or a datetime)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    timestamp = getattr(value, "timestamp", None)
+    if callable(timestamp):
+        try:
+            return float(timestamp())
+        except (TypeError, ValueError, OverflowError):
+            return None
+    return None

@@ -287,7 +287,8 @@ def _os_error(err: OSError) -> str:
 
 def load_snapshot(path: str | os.PathLike[str], verify: bool = True) -> Any:
     """The state tree of a snapshot: ``path`` is its data file (``snapshot-N-step-STEP.pt``), its
-    manifest (``.json``) or a snapshot directory (its newest valid snapshot).
+    manifest (``.json``) or a snapshot directory (its newest valid snapshot). A sharded
+    snapshot is refused: ``torch.distributed.checkpoint.load`` reads it.
 
     For a ``le.TorchState`` the tree is ``{"values": {...}, "stateful": {name:
     state_dict}}``; for an ``elastic_hvd`` job a Lightning checkpoint dict. The checksum
@@ -295,11 +296,18 @@ def load_snapshot(path: str | os.PathLike[str], verify: bool = True) -> Any:
     checkpoint, it unpickles Python objects: load snapshots from directories you trust.
     """
     found = locate(files.as_location(path), verify, lambda text: log.warning("%s", text))
+    if found.manifest.kind == files.SHARDED:
+        raise SnapshotError(f"{found.path}: a sharded snapshot (a torch.distributed.checkpoint directory): load it "
+                            "with torch.distributed.checkpoint.load(state_dict, checkpoint_id=...) or "
+                            "lightning_elastic.sharded.snapshots.read_sharded")
     return read_tree(found.path)
 
 
 def locate(path: Location, verify: bool, warn: Callable[[str], None]) -> Found:
-    """The snapshot ``path`` names (see ``load_snapshot``), or ``SnapshotError``."""
+    """The snapshot ``path`` names (see ``load_snapshot``; also a sharded snapshot's DCP
+    directory, ``snapshot-step-STEP-TOKEN.dcp``), or ``SnapshotError``."""
+    if files.base_name(path).endswith(".dcp"):
+        return files.check_sharded(path, verify)
     if isinstance(path, str):  # a URL: a snapshot file's, else a directory's
         name = files.base_name(path)
         if not name.endswith((".pt", ".json")):

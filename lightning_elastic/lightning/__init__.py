@@ -1,4 +1,5 @@
-"""The PyTorch Lightning integration: ``Trainer(strategy="elastic_hvd")``.
+"""The PyTorch Lightning integration: ``Trainer(strategy="elastic_hvd")`` (DDP) and
+``Trainer(strategy="elastic_fsdp")`` (FSDP2 in ``configure_model``).
 
 The names below load ``lightning.pytorch`` on first use (PEP 562), so that a submodule that
 needs only ``lightning.fabric`` (``environment``, used by the Fabric integration) can be
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_elastic.lightning.callbacks import ElasticCallback, ScaleLearningRate, scale_learning_rates
+    from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy
     from lightning_elastic.lightning.strategy import STRATEGY_NAME, ElasticStrategy
 
 _MODULE_OF = {
@@ -21,9 +23,10 @@ _MODULE_OF = {
     "scale_learning_rates": "lightning_elastic.lightning.callbacks",
     "STRATEGY_NAME": "lightning_elastic.lightning.strategy",
     "ElasticStrategy": "lightning_elastic.lightning.strategy",
+    "ElasticFSDPStrategy": "lightning_elastic.lightning.fsdp",
 }
 
-__all__ = ["STRATEGY_NAME", "ElasticCallback", "ElasticStrategy", "ScaleLearningRate", "scale_learning_rates"]
+__all__ = ["STRATEGY_NAME", "ElasticCallback", "ElasticFSDPStrategy", "ElasticStrategy", "ScaleLearningRate", "scale_learning_rates"]
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -49,8 +50,9 @@ class ElasticCallback(Callback):
     commit at the first step of every fit attempt, then as often as keeps commits to about
     ``commit_budget`` of the training time (1 %), but at least every ``max_redo_seconds``
     of training (10 s; what a lost worker can make the others redo). Each rank paces
-    itself: a new world resumes from the newest commit among its ranks. Pass an integer for
-    commits on a fixed grid, 1 for a commit at every step.
+    itself: a new world resumes from the newest commit among its ranks; with a strategy whose
+    commits are collectives (``elastic_fsdp``) every interval is the largest among the ranks.
+    Pass an integer for commits on a fixed grid, 1 for a commit at every step.
 
     Long phases between two training batches (a validation pass, ``on_train_epoch_end``)
     are checked for host changes too, at each validation batch end, at the validation's end
@@ -145,7 +147,7 @@ class ElasticCallback(Callback):
             self._commit(strategy, trainer)
             committed = True
         if compat.long_phase_follows(trainer):
-            if not committed and self._phase_commit_worth_it():
+            if not committed and self._phase_commit_worth_it(strategy):
                 # So that a host change found during the phase resumes from here.
                 self._commit(strategy, trainer)
                 committed = True
@@ -175,13 +177,15 @@ class ElasticCallback(Callback):
         finished = time.perf_counter()
         self._last_commit_seconds = finished - started
         if self._pacer is not None:
-            self._pacer.committed(trainer.global_step, started, finished)
+            self._pacer.committed(trainer.global_step, started, finished, agree=_common_decision(strategy))
 
-    def _phase_commit_worth_it(self) -> bool:
+    def _phase_commit_worth_it(self, strategy: Any) -> bool:
         """A commit before a long phase: at most ``commit_budget`` of the last one's time."""
         if self._phase_seconds is None or self._last_commit_seconds is None:
             return True
-        return self._last_commit_seconds <= self.commit_budget * self._phase_seconds
+        worth = self._last_commit_seconds <= self.commit_budget * self._phase_seconds
+        agree = _common_decision(strategy)
+        return worth if agree is None else bool(agree(int(worth)))
 
     # ----- host checks in long phases (a validation pass, the epoch's end) -------------
 
@@ -271,12 +275,16 @@ class CommitPacer:
     def due(self, step: int) -> bool:
         return self.next_step is None or step >= self.next_step
 
-    def committed(self, step: int, started: float, finished: float) -> None:
+    def committed(self, step: int, started: float, finished: float,
+                  agree: Callable[[int], int] | None = None) -> None:
+        """``agree``: the largest interval among the ranks (when they must commit together)."""
         interval = 1
         if self._last is not None and step > self._last[0]:
             last_step, last_time = self._last
             step_seconds = (started - last_time) / (step - last_step)
             interval = paced_interval(finished - started, step_seconds, self.budget, self.max_redo_seconds)
+        if agree is not None:
+            interval = agree(interval)
         if interval != self.interval:
             log.debug("Commits every %d step(s) now (the last took %.2f ms)", interval, (finished - started) * 1e3)
         self.interval = interval
@@ -351,8 +359,9 @@ def _log_elastic_metrics(trainer: pl.Trainer) -> None:
     metrics = {"elastic/world_size": float(trainer.world_size), "elastic/resets": float(worker.resets)}
     if worker.last_recovery_s is not None:
         metrics["elastic/last_recovery_s"] = float(worker.last_recovery_s)
+    step = compat.logging_step(trainer)  # the step this batch's own rows are logged at
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+        logger.log_metrics(metrics, step=step)
 
 
 def _renamed(old_name: str, old_value: int | None, value: int | None) -> int | None:
@@ -363,6 +372,13 @@ def _renamed(old_name: str, old_value: int | None, value: int | None) -> int | N
         "(it counts training steps across epochs)", DeprecationWarning, stacklevel=3,
     )
     return old_value
+
+
+def _common_decision(strategy: Any) -> Callable[[int], int] | None:
+    """For a strategy whose commits are collectives (``elastic_fsdp``: every rank sends its
+    rows to a peer), the largest of a number among the ranks: a commit decided by one rank's
+    own timings must be taken by all. None when each rank may commit on its own."""
+    return strategy.largest_among_ranks if getattr(strategy, "commits_together", False) else None
 
 
 def _committer(trainer: pl.Trainer) -> ElasticCallback | None:

@@ -30,6 +30,9 @@ from lightning_elastic.membership.worker import ElasticWorker
 COMMIT_MARKER = "lightning-elastic:in-memory-commit"
 # Where Lightning's checkpoint keeps the model's weights.
 MODEL_KEY = "state_dict"
+# The commit's copy of the callback metrics already computed (what a plateau scheduler or a
+# callback monitors): Lightning's checkpoint leaves them out, and empties them at a fit start.
+METRICS_KEY = "lightning_elastic_metrics"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +83,13 @@ class RestorePlan:
 
     source_rank: int | None  # the rank whose commit all ranks load; None: nothing committed yet
     logger_versions: list[Any]
+    callbacks_state: dict[str, Any] = dataclasses.field(default_factory=dict)  # the source's, for every rank
 
 
-def agree_on_restore(worker: ElasticWorker, snapshot: HostSnapshot, logger_versions: list[Any]) -> RestorePlan:
-    """Pick the newest commit in the world (lowest rank on ties) and share the logger versions.
+def agree_on_restore(worker: ElasticWorker, snapshot: HostSnapshot, logger_versions: list[Any],
+                     callbacks_state: dict[str, Any] | None = None) -> RestorePlan:
+    """Pick the newest commit in the world (lowest rank on ties) and share the logger versions
+    and the callbacks' per-process state that decides collectives (``compat.callbacks_deciding_state``).
 
     Survivors may hold commits of different steps: with commits paced by their cost (the
     default) each rank picks its own steps, and a peer may die between two ranks taking
@@ -99,8 +105,8 @@ def agree_on_restore(worker: ElasticWorker, snapshot: HostSnapshot, logger_versi
         values = [int(step.item())]
     newest = max(values)
     source = values.index(newest) if newest >= 0 else None
-    versions = broadcast_object(logger_versions, worker, src=source or 0)
-    return RestorePlan(source, versions)
+    versions, callbacks = broadcast_object((logger_versions, callbacks_state or {}), worker, src=source or 0)
+    return RestorePlan(source, versions, callbacks)
 
 
 def receive_commit(worker: ElasticWorker, snapshot: HostSnapshot, source_rank: int) -> Committed:
@@ -123,7 +129,13 @@ def checkpoint_for_lightning(committed: Committed, world_size: int) -> dict[str,
     checkpoint = {
         key: join(part, committed.tensors, clone=key != MODEL_KEY) for key, part in committed.skeleton.items()
     }
-    info: CommitInfo = committed.meta
+    return resume_checkpoint(checkpoint, committed.meta, world_size)
+
+
+def resume_checkpoint(checkpoint: dict[str, Any], info: CommitInfo, world_size: int) -> dict[str, Any]:
+    """``checkpoint`` (a commit's Lightning checkpoint dict, changed in place) made ready for
+    Lightning to resume at ``world_size``: the commit's RNG states set, its epoch progress
+    rescaled (``checkpoint_for_lightning`` says how)."""
     compat.set_rng_states(info.rng)
     position = info.sampler
     progress = compat.batch_progress(checkpoint)

@@ -10,15 +10,20 @@ uses public Lightning APIs only.
 from __future__ import annotations
 
 import copy
+import csv
 import dataclasses
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers.csv_logs import CSVLogger, ExperimentWriter
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -29,22 +34,33 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 __all__ = [
     "Launcher",
     "batch_progress",
+    "callbacks_deciding_state",
     "collect_rng_states",
+    "committed_logging_step",
+    "computed_callback_metrics",
+    "continue_csv_logs",
     "ddp_kwargs",
     "ddp_kwargs_replaced",
+    "drop_csv_rows_after",
     "dump_checkpoint",
     "finish_epoch",
     "fit_loop_state_dict",
+    "flush_csv_logs",
     "forget_dataloaders",
     "is_fit_function",
-    "long_phase_follows",
     "logger_version",
+    "logging_step",
+    "long_phase_follows",
     "loops_state_dict",
     "prepare_to_fit_again",
     "replace_sampler",
-    "set_logger_version",
-    "set_rng_states",
+    "restore_callback_metrics",
+    "restore_callbacks_deciding_state",
     "route_sigterm",
+    "set_logger_version",
+    "set_device_mesh",
+    "set_rng_states",
+    "step_plateau_schedulers_at_epoch_end",
 ]
 
 # Lightning's abstract launcher: ``launch(function, *args, trainer=..., **kwargs)`` and ``kill``.
@@ -120,6 +136,71 @@ def _progress_state(progress: Any) -> dict[str, Any]:
             value = copy.deepcopy(value)  # as asdict does
         result[name] = value
     return result
+
+
+# Per-process attributes of Lightning's callbacks that decide whether a collective runs, and
+# that their ``state_dict`` leaves out. ModelCheckpoint saves (a barrier, and ``file_exists``'s
+# all-reduce) unless ``_last_global_step_saved`` is the current step, and saves "last" at the
+# end of training unless ``_last_checkpoint_saved`` is set; LightningCLI's SaveConfigCallback
+# broadcasts the log directory in ``setup`` unless ``already_saved``. A joiner holding the
+# defaults would enter a collective its peers skip, and wait there for ever.
+def _deciding_attributes() -> list[tuple[type, tuple[str, ...]]]:
+    kinds: list[tuple[type, tuple[str, ...]]] = [
+        (ModelCheckpoint, ("_last_global_step_saved", "_last_checkpoint_saved", "_defer_save_until_validation")),
+    ]
+    cli = sys.modules.get("lightning.pytorch.cli")  # imported by a LightningCLI script only (jsonargparse: 40 ms)
+    if cli is not None:
+        kinds.append((cli.SaveConfigCallback, ("already_saved",)))
+    return kinds
+
+
+def callbacks_deciding_state(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
+    """``{state_key: {attribute: value}}`` of the attributes above, for every callback that has
+    them: the source rank's are set on every rank as a new world forms, before its fit attempt."""
+    states: dict[str, dict[str, Any]] = {}
+    kinds = _deciding_attributes()
+    for callback in trainer.callbacks:
+        for kind, names in kinds:
+            if isinstance(callback, kind):
+                states[callback.state_key] = {name: getattr(callback, name) for name in names if hasattr(callback, name)}
+    return states
+
+
+def restore_callbacks_deciding_state(trainer: pl.Trainer, states: dict[str, dict[str, Any]]) -> None:
+    """Set what ``callbacks_deciding_state`` returned (on the source rank) on this rank's callbacks."""
+    for callback in trainer.callbacks:
+        for name, value in states.get(callback.state_key, {}).items():
+            setattr(callback, name, value)
+
+
+def computed_callback_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    """The scalar ``trainer.callback_metrics`` already computed, as numbers (what a plateau
+    scheduler or a callback monitors). Read without ``callback_metrics``, whose getter may
+    compute a ``sync_dist`` value, a collective: a commit is not one."""
+    values = {}
+    for name, value in trainer._logger_connector._callback_metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            values[name] = float(value.item())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            values[name] = float(value)
+    return values
+
+
+def restore_callback_metrics(trainer: pl.Trainer, values: dict[str, float]) -> None:
+    """Put a commit's ``computed_callback_metrics`` back (Lightning empties them at every fit start)."""
+    trainer._logger_connector._callback_metrics.update({name: torch.tensor(v) for name, v in values.items()})
+
+
+def step_plateau_schedulers_at_epoch_end(trainer: pl.Trainer) -> None:
+    """Called at train start of a fit resumed from a commit: the resumed epoch's end steps
+    ``ReduceLROnPlateau`` schedulers as an uninterrupted epoch's does.
+
+    Lightning skips them at the end of an epoch resumed mid-way (its fit loop is
+    "restarting" until that epoch ends), because a checkpoint file does not hold the
+    monitored metrics; a commit does (``computed_callback_metrics``). Only the fit loop's
+    own flag is cleared: after train start it decides nothing else.
+    """
+    trainer.fit_loop._restarting = False
 
 
 def batch_progress(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -241,6 +322,79 @@ def set_logger_version(logger: Any, version: Any) -> None:
         logger._version = version
 
 
+# ----- CSV logs across resets -------------------------------------------------------------
+#
+# A CSVLogger's writer (rank 0's) buffers rows and appends them to metrics.csv every
+# ``flush_logs_every_n_steps``. Lightning's writer deletes an existing metrics.csv when it
+# is created: a new rank 0 would start the job's file anew. Across a reset the file is
+# kept as the committed history: the old rank 0 flushes what it buffered, the new rank 0
+# goes on with the same file, and the rows of steps the new world redoes are dropped.
+
+
+class _ContinuedExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer going on with the job's metrics.csv (its columns included)."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+
+def continue_csv_logs(trainer: pl.Trainer) -> None:
+    """Called on the new rank 0 of a resumed fit, once the loggers' versions are pinned and
+    before anything is logged: its CSV loggers go on with the job's metrics.csv."""
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger) and logger._experiment is None:
+            logger._experiment = _ContinuedExperimentWriter(log_dir=logger.log_dir)
+
+
+def flush_csv_logs(trainer: pl.Trainer) -> None:
+    """Called before a reset, on every rank: the rank 0 of the ending world writes the rows it buffered."""
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger) and logger._experiment is not None:
+            logger.save()  # rank-zero-only: the old world's rank 0
+
+
+def drop_csv_rows_after(trainer: pl.Trainer, step: int) -> None:
+    """Called on rank 0 as a resumed fit starts: metrics.csv keeps the rows logged at steps up
+    to ``step`` (the committed batch's), those of the steps redone from here are dropped."""
+    for logger in trainer.loggers:
+        writer = logger._experiment if isinstance(logger, CSVLogger) else None
+        if writer is None or not writer._fs.isfile(writer.metrics_file_path):
+            continue
+        with writer._fs.open(writer.metrics_file_path, "r", newline="") as file:
+            reader = csv.DictReader(file)
+            header = list(reader.fieldnames or [])
+            rows = [row for row in reader if _row_step(row) is not None and _row_step(row) <= step]
+        with writer._fs.open(writer.metrics_file_path, "w", newline="") as file:
+            out = csv.DictWriter(file, fieldnames=header)
+            out.writeheader()
+            out.writerows(rows)
+        writer.metrics = [row for row in writer.metrics if row.get("step", 0) <= step]
+        writer.metrics_keys = sorted(set(writer.metrics_keys) | set(header))
+
+
+def _row_step(row: dict[str, Any]) -> int | None:
+    try:
+        return int(float(row.get("step") or ""))
+    except ValueError:
+        return None  # a line a killed writer left half written
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs this training batch's metrics at (batches that stepped the
+    optimizer before it): a logger row written with it sorts with the batch's own rows."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def committed_logging_step(checkpoint: dict[str, Any]) -> int | None:
+    """``logging_step`` at the batch a checkpoint dict was taken at."""
+    own = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict")
+    if isinstance(own, dict) and isinstance(own.get("_batches_that_stepped"), int):
+        return own["_batches_that_stepped"]
+    return None
+
+
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The keyword arguments a ``DDPStrategy`` gives torch's DDP (the user's, as passed)."""
     return dict(strategy._ddp_kwargs)
@@ -255,3 +409,8 @@ def ddp_kwargs_replaced(strategy: Any, kwargs: dict[str, Any]) -> Iterator[None]
         yield
     finally:
         strategy._ddp_kwargs = saved
+
+
+def set_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
+    """What ``self.device_mesh`` gives ``configure_model`` (as Lightning's ``ModelParallelStrategy`` sets it)."""
+    module._device_mesh = mesh

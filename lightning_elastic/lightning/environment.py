@@ -9,6 +9,7 @@ does not load ``lightning.pytorch``.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -75,6 +76,7 @@ class WorkerBacked:
     """
 
     parallel_devices: list[torch.device] | None
+    elastic_name = "elastic_hvd"  # the strategy's registered name, as messages say it
 
     def _bind_worker(self, worker: ElasticWorker | None, collective_timeout: float | None,
                      backend: str | None, snapshots: dict[str, Any] | None = None) -> None:
@@ -119,14 +121,14 @@ class WorkerBacked:
         size = self.worker.assignment.size
         if len(devices) > 1 and not all_gpus:
             rank_zero_warn(
-                f'lightning-elastic: strategy="elastic_hvd" ignores {api}(devices=...) asking for {len(devices)} '
+                f'lightning-elastic: strategy="{self.elastic_name}" ignores {api}(devices=...) asking for {len(devices)} '
                 f"devices: lightning-elastic launch starts one process per device (launch -np and the hosts' slots "
                 f"set how many; the job has {size} now), and this process uses {self.root_device}. Leave devices out."
             )
         num_nodes = getattr(self, "num_nodes", 1)
         if num_nodes != 1:
             rank_zero_warn(
-                f'lightning-elastic: strategy="elastic_hvd" ignores {api}(num_nodes={num_nodes}): the hosts are '
+                f'lightning-elastic: strategy="{self.elastic_name}" ignores {api}(num_nodes={num_nodes}): the hosts are '
                 "lightning-elastic launch's (-H, --hostfile, --host-discovery-script, --ray or --slurm; the job has "
                 f"{size} process(es) now). Leave num_nodes out."
             )
@@ -143,3 +145,12 @@ class WorkerBacked:
         if self._wants_cuda():
             return torch.device("cuda", self.worker.cuda_index)
         return torch.device("cpu")
+
+
+def timeout_seconds(timeout: Any, owner: str) -> float:
+    """A strategy's ``timeout=`` in seconds; ``owner`` names the strategy in the error."""
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        return float(timeout)
+    raise ValueError(f"{owner}: timeout must be a datetime.timedelta, got {timeout!r}")

@@ -58,6 +58,7 @@ class _FitRecovery:
 
     def before_rejoin(self) -> None:
         if self._fitted:
+            compat.flush_csv_logs(self._trainer)  # the ending world's rank 0 writes its buffered rows
             compat.prepare_to_fit_again(self._trainer)
 
     def prepare(self, resumed: bool) -> None:

@@ -1,4 +1,4 @@
-"""Put ``"elastic_hvd"`` in Lightning's strategy registries."""
+"""Put ``"elastic_hvd"`` and ``"elastic_fsdp"`` in Lightning's strategy registries."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import importlib
 
 
 def register_strategy(package: str = "lightning.pytorch") -> None:
-    """Register ``ElasticStrategy`` as ``"elastic_hvd"`` in ``package``'s registry (idempotent).
+    """Register ``ElasticStrategy`` as ``"elastic_hvd"`` and ``ElasticFSDPStrategy`` as
+    ``"elastic_fsdp"`` in ``package``'s registry (idempotent).
 
     ``lightning.pytorch`` and the standalone ``pytorch_lightning`` keep separate registries
     and separate class hierarchies; the strategy is built on ``lightning.pytorch``, so the
@@ -15,11 +16,14 @@ def register_strategy(package: str = "lightning.pytorch") -> None:
     if package != "lightning.pytorch":
         from lightning_elastic.lightning.standalone import load_for_standalone_package
 
-        load_for_standalone_package().strategy.register()
+        mirror = load_for_standalone_package()
+        mirror.strategy.register()
+        mirror.fsdp.register()
         return
-    strategy_module = importlib.import_module("lightning_elastic.lightning.strategy")
-    # The import hook may run while the strategy module is itself importing Lightning
-    # (``from lightning_elastic.lightning import ElasticStrategy`` before Lightning): it is
-    # then half initialised, and registers at its end.
-    if hasattr(strategy_module, "register"):
-        strategy_module.register()
+    for name in ("strategy", "fsdp"):
+        strategy_module = importlib.import_module(f"lightning_elastic.lightning.{name}")
+        # The import hook may run while a strategy module is itself importing Lightning
+        # (``from lightning_elastic.lightning import ElasticStrategy`` before Lightning): it is
+        # then half initialised, and registers at its end.
+        if hasattr(strategy_module, "register"):
+            strategy_module.register()

@@ -17,16 +17,14 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 import lightning.pytorch as pl
 from lightning_elastic.commit import init_sync
 from lightning_elastic.lightning import compat
 from lightning_elastic.lightning.commit import (
     COMMIT_MARKER,
+    METRICS_KEY,
     RestorePlan,
-    SamplerPosition,
     agree_on_restore,
     checkpoint_for_lightning,
     commit_info,
@@ -36,9 +34,9 @@ from lightning_elastic.lightning.commit import (
     take_split_commit,
 )
 from lightning_elastic.lightning.capture import CheckpointCapture
-from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked
+from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked, timeout_seconds
+from lightning_elastic.lightning.sampling import ElasticSampling, call_reset_hooks
 from lightning_elastic.membership.process_group import validate_backend, validate_timeout
-from lightning_elastic.training.sampler import ElasticSampler
 from lightning_elastic.commit.buffers import HostSnapshot
 from lightning_elastic.membership.worker import ElasticWorker
 
@@ -47,7 +45,7 @@ log = logging.getLogger(__name__)
 STRATEGY_NAME = "elastic_hvd"
 
 
-class ElasticStrategy(WorkerBacked, DDPStrategy):
+class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
     """DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo).
 
     Registered as ``Trainer(strategy="elastic_hvd")``: elastic training with Elastic
@@ -75,7 +73,7 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         # Checked here, so a bad value fails when the Trainer is built, not at the first round.
-        collective_timeout = None if timeout is None else validate_timeout(_seconds(timeout))
+        collective_timeout = None if timeout is None else validate_timeout(timeout_seconds(timeout, "ElasticStrategy"))
         backend = None if process_group_backend is None else validate_backend(process_group_backend)
         super().__init__(
             accelerator=accelerator,
@@ -95,18 +93,15 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         self._capture = CheckpointCapture()
         self._restore: RestorePlan | None = None
         self._resumed_world_size: int | None = None  # set when a fit resumed from a commit
-        self._sampler: ElasticSampler | None = None
-        self._pending_sampler: SamplerPosition | None = None
+        self._init_sampling()
+        self._pending_metrics: dict[str, float] | None = None  # the commit's, set at train start
+        self._committed_log_step: int | None = None  # the committed batch's logging step
         # This fit attempt is loading the agreed commit / has loaded its weights into the
         # LightningModule on every rank (strictly): DDP need not broadcast them again.
         self._loading_commit = False
         self._weights_synced = False
 
     # ----- the world ------------------------------------------------------------------
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.worker.assignment.size, "rank": self.worker.assignment.rank}
 
     def _configure_launcher(self) -> None:
         from lightning_elastic.lightning.fit_launcher import ElasticFitLauncher
@@ -127,15 +122,9 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
 
     def take_commit(self, trainer: pl.Trainer) -> None:
         """Copy the full training state into host memory (called at a batch end)."""
-        position = None
-        if self._sampler is not None and self._sampler.batch_size is not None:
-            position = SamplerPosition(
-                epoch=self._sampler.epoch,
-                consumed=self._sampler.consumed_total(),
-                dataset_size=self._sampler.dataset_size,
-                batch_size=self._sampler.batch_size,
-            )
+        position = self.sampler_position()
         skeleton, sources = self._capture.capture(trainer)
+        skeleton = {**skeleton, METRICS_KEY: compat.computed_callback_metrics(trainer)}
         take_split_commit(self.snapshot, skeleton, sources, self.worker.assignment.size, trainer.global_step, position)
         self.worker.note_commit()
         writer = self.worker.snapshot_writer
@@ -169,11 +158,19 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
     def agree_on_restore(self, trainer: pl.Trainer) -> bool:
         """Collective, before every fit attempt: is there a commit to resume from?"""
         self._loading_commit = self._weights_synced = False  # a new attempt: nothing loaded yet
-        versions = [logger.version for logger in trainer.loggers] if self._is_source_candidate() else []
-        self._restore = agree_on_restore(self.worker, self.snapshot, versions)
+        candidate = self._is_source_candidate()
+        versions = [logger.version for logger in trainer.loggers] if candidate else []
+        callbacks = compat.callbacks_deciding_state(trainer) if candidate else {}
+        self._restore = agree_on_restore(self.worker, self.snapshot, versions, callbacks)
         for logger, version in zip(trainer.loggers, self._restore.logger_versions):
             compat.set_logger_version(logger, version)
-        return self._restore.source_rank is not None
+        # Before the attempt's first hook: a joiner, and a survivor after a rollback, enter the
+        # collectives of Lightning's callbacks exactly when the source does (issue 37, point 1).
+        compat.restore_callbacks_deciding_state(trainer, self._restore.callbacks_state)
+        resuming = self._restore.source_rank is not None
+        if resuming and self.worker.assignment.rank == 0:
+            compat.continue_csv_logs(trainer)  # before the fit logs anything (hyper-parameters)
+        return resuming
 
     def _is_source_candidate(self) -> bool:
         # Only a rank that could be the source asks its loggers for a version: a version
@@ -185,10 +182,13 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self._restore is not None and self._restore.source_rank is not None
         committed = receive_commit(self.worker, self.snapshot, self._restore.source_rank)
+        self._committed_log_step = compat.committed_logging_step(committed.skeleton)
         self._loading_commit = True
         self._resumed_world_size = committed.meta.world_size
         self._pending_sampler = committed.meta.sampler
-        return checkpoint_for_lightning(committed, self.worker.assignment.size)
+        checkpoint = checkpoint_for_lightning(committed, self.worker.assignment.size)
+        self._pending_metrics = checkpoint.pop(METRICS_KEY, None)
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
@@ -207,49 +207,6 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         with compat.ddp_kwargs_replaced(self, kwargs):
             super().configure_ddp()
 
-    # ----- data -----------------------------------------------------------------------
-
-    def process_dataloader(self, dataloader: object) -> object:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
-            return dataloader
-        order = _sampling_order(dataloader)
-        if order is None:
-            rank_zero_warn(
-                "lightning-elastic: the training DataLoader uses a custom sampler or batch sampler; "
-                "samples may be repeated or skipped across resets (use a plain sampler and batch_size "
-                "for exactly-once epochs)."
-            )
-            return dataloader
-        shuffle, seed = order
-        sampler = ElasticSampler(
-            dataloader.dataset, shuffle=shuffle, seed=seed, worker=self.worker, batch_size=dataloader.batch_size
-        )
-        if self._pending_sampler is not None:
-            sampler.load_state_dict({"epoch": self._pending_sampler.epoch, "consumed": self._pending_sampler.consumed})
-            self._pending_sampler = None
-        self._sampler = sampler
-        return compat.replace_sampler(dataloader, sampler)
-
-    def record_batch(self, batch_idx: int) -> None:
-        """Count batch ``batch_idx`` of the epoch as processed by every rank."""
-        sampler = self._sampler
-        if sampler is not None and sampler.batch_size is not None:
-            sampler.record_batch(batch_idx - sampler.batches_before_pass(), sampler.batch_size)
-
-    def real_samples_in_batch(self, batch_idx: int, batch_len: int) -> int:
-        """How many of batch ``batch_idx``'s ``batch_len`` samples are not end-of-epoch padding.
-
-        When the last step of an epoch has fewer samples than ranks, some ranks repeat one
-        sample so that all run the same number of steps; code that counts samples exactly
-        (or weighs them) can leave the repeats out with this.
-        """
-        sampler = self._sampler
-        if sampler is None or sampler.batch_size is None:
-            return batch_len
-        pass_batch = batch_idx - sampler.batches_before_pass()
-        return min(batch_len, sampler.real_in_batch(pass_batch, sampler.batch_size))
-
     # ----- hooks ----------------------------------------------------------------------
 
     def on_train_start(self) -> None:
@@ -257,45 +214,19 @@ class ElasticStrategy(WorkerBacked, DDPStrategy):
         self.worker.resume_from = None  # every rank holds the resumed state now
         self._capture.new_attempt()
         trainer = self.lightning_module.trainer
+        metrics, self._pending_metrics = self._pending_metrics, None
+        if metrics is not None:
+            compat.restore_callback_metrics(trainer, metrics)
+            compat.step_plateau_schedulers_at_epoch_end(trainer)
+        log_step, self._committed_log_step = self._committed_log_step, None
+        if log_step is not None and trainer.is_global_zero:
+            compat.drop_csv_rows_after(trainer, log_step)  # the steps redone from here are logged again
         resumed_from, self._resumed_world_size = self._resumed_world_size, None
         if resumed_from is not None:
-            _call_reset_hooks(trainer, resumed_from, self.worker.assignment.size)
+            call_reset_hooks(trainer, resumed_from, self.worker.assignment.size)
         if not self.has_commit:
             # A failure before the first regular commit must have something to go back to.
             self.take_commit(trainer)
-
-
-def _seconds(timeout: Any) -> float:
-    if isinstance(timeout, timedelta):
-        return timeout.total_seconds()
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        return float(timeout)
-    raise ValueError(f"ElasticStrategy: timeout must be a datetime.timedelta, got {timeout!r}")
-
-
-def _sampling_order(dataloader: DataLoader) -> tuple[bool, int] | None:
-    """(shuffle, seed) of a training DataLoader the elastic sampler can stand in for."""
-    if isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_size is None:
-        return None
-    sampler = dataloader.sampler
-    if isinstance(sampler, DistributedSampler) and type(sampler) is DistributedSampler:
-        return bool(sampler.shuffle), int(sampler.seed)
-    if isinstance(sampler, RandomSampler):
-        return True, 0
-    if isinstance(sampler, SequentialSampler):
-        return False, 0
-    return None
-
-
-def _call_reset_hooks(trainer: pl.Trainer, old_world_size: int, new_world_size: int) -> None:
-    """``on_elastic_reset`` on every callback that has it, then on the LightningModule."""
-    for callback in trainer.callbacks:
-        hook = getattr(callback, "on_elastic_reset", None)
-        if callable(hook):
-            hook(trainer, trainer.lightning_module, old_world_size, new_world_size)
-    hook = getattr(trainer.lightning_module, "on_elastic_reset", None)
-    if callable(hook):
-        hook(old_world_size, new_world_size)
 
 
 def register() -> None:

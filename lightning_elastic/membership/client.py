@@ -106,7 +106,7 @@ class DriverClient:
 
     def heartbeat(self, known_generation: int, known_broken_round: int, wait: float,
                   stepped: tuple[int, float] = (0, 0.0), snapshots: Any = None) -> p.HeartbeatReply:
-        written, failed, error = (snapshots.written, snapshots.failed, snapshots.last_error[:200]) if snapshots \
+        written, failed, error = (snapshots.written, snapshots.failed, p.clip(snapshots.last_error, 200)) if snapshots \
             else (0, 0, "")
         request = p.HeartbeatRequest(self.worker_id, known_generation, known_broken_round, wait, *stepped,
                                      written, failed, error)
@@ -117,7 +117,7 @@ class DriverClient:
         """Was ``round_number`` lost? ``wait``: --error-wait; ``verdict_wait``: how long the
         answer may wait for the driver's verdict on a peer silent since the question (see
         ``RoundLostRequest``)."""
-        request = p.RoundLostRequest(self.worker_id, round_number, wait, collective, error[:2000], commits,
+        request = p.RoundLostRequest(self.worker_id, round_number, wait, collective, p.clip(error, 2000), commits,
                                      verdict_wait)
         return self._post(p.PATH_ROUND_LOST, request, p.RoundLostReply, wait=max(wait, verdict_wait))
 
@@ -127,9 +127,9 @@ class DriverClient:
                           patient=False).graceful
 
     def report(self, round_number: int, outcome: p.Outcome, message: str = "", snapshots: Any = None) -> None:
-        written, failed, error = (snapshots.written, snapshots.failed, snapshots.last_error[:200]) if snapshots \
+        written, failed, error = (snapshots.written, snapshots.failed, p.clip(snapshots.last_error, 200)) if snapshots \
             else (0, 0, "")
-        self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, message[:2000], written, failed,
+        self._post(p.PATH_REPORT, p.Report(self.worker_id, round_number, outcome, p.clip(message, 2000), written, failed,
                                            error), p.Ack)
 
     def store(self, request: p.StoreRequest) -> p.StoreReply:

@@ -203,3 +203,19 @@ def plan_transfers(sources: Sequence[Source], old_world: int, new_world: int,
                 out.append(Transfer(entry=entry, src=s.member, held=s.held, old_rank=old_rank, src_row=start - a,
                                     dst=new_rank, dst_row=start - lo, rows=stop - start))
     return out
+
+
+def describe_coverage(hosts: Sequence[str], shift: int) -> str:
+    """One sentence for the log: what a lost rank or host costs with copies at rank + ``shift``."""
+    if shift == 0:
+        return "Sharded state: one rank, no copy of its commit held elsewhere."
+    if covers_hosts(hosts, shift):
+        return (f"Sharded state: {len(hosts)} ranks on {len(set(hosts))} hosts; each commit's rows are copied to "
+                f"rank + {shift}, on another host: one lost host loses nothing.")
+    if len(set(hosts)) == 1:
+        return (f"Sharded state: {len(hosts)} ranks on one host; each commit's rows are copied to the next rank: "
+                "one lost rank loses nothing (the host lost needs --snapshot-dir).")
+    busiest = max(sorted(set(hosts)), key=list(hosts).count)
+    return (f"Sharded state: {len(hosts)} ranks on {len(set(hosts))} hosts; each commit's rows are copied to the next "
+            f"rank: one lost rank loses nothing; {busiest} holds more than half of the ranks, so losing it needs "
+            "--snapshot-dir.")

@@ -25,10 +25,11 @@ def check_sharding(name: str, tensor: DTensor) -> None:
                            "given (tensor parallelism is not supported)")
 
 
-def split(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-          prefix: str = "") -> tuple[list[Entry], list[torch.Tensor], dict[str, Any]]:
+def split(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, prefix: str = "",
+          with_model: bool = True) -> tuple[list[Entry], list[torch.Tensor], dict[str, Any]]:
     """``(entries, local rows, rest)`` of ``model`` and ``optimizer`` (entry keys start with
-    ``prefix`` + "model" / "optimizer": several models can share one commit)."""
+    ``prefix`` + "model" / "optimizer": several models can share one commit).
+    ``with_model=False``: the optimizer's part alone (a model's second optimizer)."""
     entries: list[Entry] = []
     tensors: list[torch.Tensor] = []
     whole: dict[str, torch.Tensor] = {}
@@ -37,11 +38,11 @@ def split(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     state = optimizer.state if optimizer is not None else {}
     for fqn, param in model.named_parameters():
         fqn_of[id(param)] = fqn
-        if isinstance(param, DTensor):
+        if with_model and isinstance(param, DTensor):
             check_sharding(fqn, param)
             entries.append(Entry((prefix + "model", fqn), tuple(param.shape), param.dtype))
             tensors.append(param.to_local())
-        else:
+        elif with_model:
             whole[fqn] = param.detach()
         for name, value in state.get(param, {}).items():
             if isinstance(value, DTensor):
@@ -50,7 +51,7 @@ def split(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                 tensors.append(value.to_local())
             else:
                 optimizer_rest.setdefault(fqn, {})[name] = value
-    for fqn, buffer in model.named_buffers():
+    for fqn, buffer in model.named_buffers() if with_model else ():
         whole[fqn] = buffer
     groups = ([{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
                for g in optimizer.param_groups] if optimizer is not None else [])

@@ -24,6 +24,8 @@ with one line saying so.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -31,13 +33,16 @@ from typing import Any
 import torch
 
 from lightning_elastic.commit import collectives
+from lightning_elastic.durable import files
+from lightning_elastic.durable.files import Found
 from lightning_elastic.errors import ElasticError
 from lightning_elastic.membership.worker import ElasticWorker
-from lightning_elastic.sharded import parts
+from lightning_elastic.sharded import parts, snapshot_tree
 from lightning_elastic.sharded.commit import ShardedCommit
-from lightning_elastic.sharded.layout import Fresh, Layout, Lost, Restore, choose_commit, covers_hosts, holder_shift
+from lightning_elastic.sharded.agreement import agree
+from lightning_elastic.sharded.layout import Fresh, Layout, Lost, Restore, describe_coverage
 from lightning_elastic.sharded.rows import Entry
-from lightning_elastic.training.state import State, _is_stateful
+from lightning_elastic.training.state import State, _is_stateful, info_of_state
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +91,8 @@ class ShardedState(State):
         put(self, "_callbacks_due", False)
         put(self, "_commit", ShardedCommit())  # own rows, the rest, the copy held for a peer
         put(self, "_said_coverage", None)
+        put(self, "_writers", [])  # (round, sharded snapshot writer): this round's last; older ones finishing
+        put(self, "_round_start", (0, 0.0, 0))  # (round, time its sync ended, step then): snapshot pace
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not name.startswith("_") and name not in self._names:
@@ -137,8 +144,47 @@ class ShardedState(State):
         """Commit: this rank's rows into its host buffer, then the copy for its holder."""
         worker = self.worker
         entries, tensors, rest = self._split_live()
-        self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device)
+        writing = any(w.writing for _, w in self._writers)  # a snapshot still reads the own rows
+        self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device,
+                          keep_own=not writing)
         object.__setattr__(self, "_committed_live", True)
+
+    def offer_snapshot(self) -> None:
+        """Every rank: its rows of this commit to the round's sharded snapshot writer
+        (``--snapshot-dir``), which writes them in the background when the commit is due."""
+        worker = self.worker
+        settings = getattr(worker.snapshot_writer, "settings", None)
+        own = self._commit.own
+        if settings is None or own is None:
+            return
+        a = worker.assignment
+        values = {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))}
+        stateful = {n: getattr(self, n) for n in self._names if _is_stateful(getattr(self, n))}
+        info = info_of_state(values, stateful, worker.commits_total, a.round, a.size, "sharded")
+        writer = self._writer_for_round(settings, info.step)
+        writer.offer(snapshot_tree.written(own, self._commit.own_rest), info)
+
+    def _writer_for_round(self, settings: Any, step: int) -> Any:
+        """This round's writer, made at its first commit: rank 0's pace since the round's
+        sync turns ``--snapshot-every`` seconds into steps, the same for every rank."""
+        from lightning_elastic.sharded.snapshots import ShardedSnapshotWriter, SnapshotPlan, steps_between
+
+        worker = self.worker
+        a = worker.assignment
+        if self._writers and self._writers[-1][0] == a.round:
+            return self._writers[-1][1]
+        alive = [(r, w) for r, w in self._writers if w.writing]  # an older round's, still writing
+        round_, started, first_step = self._round_start
+        plan = None
+        if a.rank == 0:
+            per_step = (time.monotonic() - started) / max(1, step - first_step) if round_ == a.round else 1.0
+            plan = SnapshotPlan(secrets.token_hex(4), steps_between(settings.every, max(per_step, 1e-3)))
+        if a.size > 1:
+            plan = collectives.broadcast_object(plan, a.rank, 0, worker.device, worker.wait_collective)
+        writer = ShardedSnapshotWriter(settings, a.rank, a.size, plan, os.environ.get(files.ENV_JOB_ID, ""))
+        object.__setattr__(self, "_writers", [*alive, (a.round, writer)])
+        worker.snapshot_writer = writer  # its counts reach the driver with the heartbeats
+        return writer
 
     def keep_live(self) -> None:
         """Hosts changed: every rank stopped at the same step, so the live state is committed
@@ -180,22 +226,25 @@ class ShardedState(State):
         """Every member: say what it holds, agree on a commit, build the model on this round's
         mesh and move that commit's rows into it (or start fresh, or fall back to a snapshot)."""
         worker = self.worker
-        a = worker.assignment
-        device, wait = worker.device, worker.wait_collective
-        hosts = collectives.all_gather_object(a.hostname, device, wait) if a.size > 1 else [a.hostname]
-        layout = Layout(a.round, a.size, holder_shift(hosts))
-        object.__setattr__(self, "_layout", layout)
-        mine = self._commit.holding()
-        holdings = collectives.all_gather_object(mine, device, wait) if a.size > 1 else [mine]
-        choice = choose_commit(holdings)
+        agreed = agree(self._commit, worker.assignment, worker.device, worker.wait_collective)
+        object.__setattr__(self, "_layout", agreed.layout)
+        choice = agreed.choice
         if isinstance(choice, Restore):
             self._restore(choice)
         elif isinstance(choice, Lost):
             self._restore_lost(choice)
         else:
             assert isinstance(choice, Fresh)
-            self._build(fresh=True)
-        self._say_coverage(hosts, layout)
+            plan = worker.resume_from  # the job's first round only: cleared once a round synced
+            found = self._agree_on_snapshot(plan.locate if plan is not None else None)
+            if found is None:
+                self._build(fresh=True)
+            else:
+                self._resume_from(found)
+        self._say_coverage(agreed.hosts, agreed.layout)
+        step = self._values().get("step")
+        a = worker.assignment
+        object.__setattr__(self, "_round_start", (a.round, time.monotonic(), step if isinstance(step, int) else 0))
         if self._callbacks_due:
             object.__setattr__(self, "_callbacks_due", False)
             super().on_reset()
@@ -210,7 +259,16 @@ class ShardedState(State):
         self._drop_live()
         mesh = init_device_mesh(worker.device.type, (worker.assignment.size,), mesh_dim_names=("dp",))
         if fresh and init_weights is None:
-            model = make_model()
+            # Every rank keeps its own rows of the model it builds: they must all build the
+            # same one. A joiner's generator is not where the others' are (they trained
+            # since le.init), so all build from rank 0's, without moving anyone's own.
+            a = worker.assignment
+            rng = torch.get_rng_state()
+            if a.size > 1:
+                rng = collectives.broadcast_object(rng, a.rank, 0, worker.device, worker.wait_collective)
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(rng)
+                model = make_model()
         else:
             with torch.device("meta"):
                 model = make_model()
@@ -249,8 +307,68 @@ class ShardedState(State):
                  time.monotonic() - started, rebuilt[1] - rebuilt[0])
 
     def _restore_lost(self, lost: Lost) -> None:
-        # Until durable sharded snapshots are wired in, a lost commit ends the job clearly.
-        raise ElasticError(f"sharded state lost from memory: {lost.reason}; no --snapshot-dir to resume from")
+        """No whole commit among the members: the newest durable snapshot, or the end."""
+        worker = self.worker
+        settings = getattr(worker.snapshot_writer, "settings", None)
+
+        def newest() -> Found | None:
+            return files.newest_valid(settings.directory, log.warning) if settings is not None else None
+
+        found = self._agree_on_snapshot(newest)
+        if found is None:
+            where = "no valid snapshot in --snapshot-dir" if settings is not None else "no --snapshot-dir"
+            raise ElasticError(f"sharded state lost from memory: {lost.reason}; {where} to resume from")
+        if worker.assignment.rank == 0:
+            log.warning("Sharded state lost from memory: %s; resuming from snapshot %s (step %d).", lost.reason,
+                        files.base_name(found.path), found.manifest.step)
+        self._resume_from(found)
+
+    def _agree_on_snapshot(self, locate: Any) -> Found | None:
+        """Rank 0 looks (``locate()``, or nothing when None); every rank gets what it found."""
+        worker = self.worker
+        a = worker.assignment
+        found = locate() if a.rank == 0 and locate is not None else None
+        if a.size > 1:
+            found = collectives.broadcast_object(found, a.rank, 0, worker.device, worker.wait_collective)
+        return found
+
+    def _resume_from(self, found: Found) -> None:
+        """Every rank reads its rows of ``found`` (any world size) into the rebuilt model,
+        then commits, so that a loss before the next commit does not start over."""
+        from lightning_elastic.sharded.snapshots import read_sharded, saved_tensors
+
+        if found.manifest.kind != "sharded":
+            raise ElasticError(f"{files.base_name(found.path)}: a {found.manifest.kind!r} snapshot, not the "
+                               "state of a ShardedState (to start over: --no-resume, or another --snapshot-dir)")
+        self._build(fresh=False)
+        model, optimizer, scheduler, _ = self._built()
+        shapes = saved_tensors(found.path)
+        extra = {"values": self._values(), "stateful": {n: o.state_dict() for n, o in self._stateful().items()},
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None}
+        target = snapshot_tree.read_target(model, optimizer, list(shapes),
+                                           {k: v for k, v in shapes.items() if v is not None}, extra)
+        read_sharded(found.path, target)
+        for group, saved in zip(optimizer.param_groups, target["optimizer"]["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        saved_extra = target["extra"]
+        for name, value in saved_extra["values"].items():
+            object.__setattr__(self, name, value)
+        for name, value in saved_extra["stateful"].items():
+            getattr(self, name).load_state_dict(value)
+        if scheduler is not None and saved_extra["scheduler"] is not None:
+            scheduler.load_state_dict(saved_extra["scheduler"])
+        a = self.worker.assignment
+        if a.rank == 0:
+            log.info("Resumed from snapshot %s: step %d, written at world size %d (now %d).",
+                     files.base_name(found.path), found.manifest.step, found.manifest.world_size, a.size)
+        object.__setattr__(self, "_callbacks_due", True)  # the world may differ from the one that wrote it
+        self.save()
+
+    def _values(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))}
+
+    def _stateful(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in self._names if _is_stateful(getattr(self, n))}
 
     def _load_rest(self, rest: dict[str, Any]) -> None:
         model, optimizer, scheduler, _ = self._built()
@@ -264,24 +382,12 @@ class ShardedState(State):
         for name, saved in rest["stateful"].items():
             getattr(self, name).load_state_dict(saved)
 
-    def _say_coverage(self, hosts: list[str], layout: Layout) -> None:
+    def _say_coverage(self, hosts: tuple[str, ...], layout: Layout) -> None:
         said = (len(hosts), len(set(hosts)), layout.shift)
         if self.worker.assignment.rank != 0 or self._said_coverage == said:
             return
         object.__setattr__(self, "_said_coverage", said)
-        if layout.shift == 0:
-            log.info("Sharded state: one rank, no copy of its commit held elsewhere.")
-        elif covers_hosts(hosts, layout.shift):
-            log.info("Sharded state: %d ranks on %d hosts; each commit's rows are copied to rank + %d, on "
-                     "another host: one lost host loses nothing.", len(hosts), len(set(hosts)), layout.shift)
-        elif len(set(hosts)) == 1:
-            log.info("Sharded state: %d ranks on one host; each commit's rows are copied to the next rank: "
-                     "one lost rank loses nothing (the host lost needs --snapshot-dir).", len(hosts))
-        else:
-            busiest = max(set(hosts), key=hosts.count)
-            log.info("Sharded state: %d ranks on %d hosts; each commit's rows are copied to the next rank: one "
-                     "lost rank loses nothing; %s holds more than half of the ranks, so losing it needs "
-                     "--snapshot-dir.", len(hosts), len(set(hosts)), busiest)
+        log.info("%s", describe_coverage(hosts, layout.shift))
 
 
 def _release(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:

@@ -80,7 +80,7 @@ def is_collective_error(err: BaseException) -> bool:
 def describe_error(err: BaseException) -> str:
     """The last line of the traceback: what the driver prints as the worker's failure."""
     last = traceback.format_exception_only(type(err), err)[-1].strip()
-    return last[:500]
+    return p.clip(last, 500)  # at a word boundary: it ends up in the job's one-line verdict
 
 
 class RetryEngine(Generic[R]):
@@ -141,4 +141,4 @@ class RetryEngine(Generic[R]):
 
 def _first_line(err: BaseException) -> str:
     text = str(err)
-    return text.splitlines()[0][:200] if text else type(err).__name__
+    return p.clip(text.splitlines()[0], 200) if text else type(err).__name__

@@ -61,7 +61,8 @@ def broadcast_object(value: Any, worker: ElasticWorker, src: int = 0) -> Any:
 def info_of_state(values: dict[str, Any], stateful: dict[str, Any], commits: int, round_: int,
                   world_size: int, kind: str = "state") -> SnapshotInfo:
     """The manifest's numbers for a ``TorchState``/``ObjectState`` tree: its ``step`` and
-    ``epoch`` values when it has them (else the commit count and 0), and the position of an
+    ``epoch`` values when it has them (else the commits in the state's history, a resumed
+    job's counted from its snapshot's step, and 0), and the position of an
     ``ElasticSampler`` among its objects."""
     step = values.get("step")
     epoch = values.get("epoch")
@@ -145,6 +146,10 @@ class ObjectState(State):
         for name, value in values.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_snapshot", HostSnapshot())
+        # Commits in the state's history, the job's whole (kept with each commit, so a rank
+        # restored or synced takes it too, and a resumed job goes on from its snapshot's):
+        # the step of a durable snapshot of a state without a ``step`` value of its own.
+        object.__setattr__(self, "_commits", 0)
         # The constructor's plain values are the first commit; objects with a state_dict are
         # committed from the first save on (a joiner's fresh model would only cost memory).
         self._snapshot.capture(self._tree(with_stateful=False))
@@ -163,9 +168,15 @@ class ObjectState(State):
     def _load(self, committed: Committed) -> None:
         for name, value in join(committed.skeleton["values"], committed.tensors, clone=True).items():
             object.__setattr__(self, name, value)
+        if isinstance(committed.meta, int):
+            object.__setattr__(self, "_commits", committed.meta)
+
+    def commit(self) -> None:
+        object.__setattr__(self, "_commits", self._commits + 1)
+        super().commit()
 
     def save(self) -> None:
-        self._snapshot.capture(self._tree())
+        self._snapshot.capture(self._tree(), self._commits)
 
     def offer_snapshot(self) -> None:
         worker = self.worker
@@ -173,8 +184,8 @@ class ObjectState(State):
         if writer is None:
             return
         a = worker.assignment
-        info = info_of_state(self._plain_values(), self._stateful_objects(),
-                                            worker.commits_total, a.round, a.size, self._snapshot_kind)
+        info = info_of_state(self._plain_values(), self._stateful_objects(), self._commits, a.round, a.size,
+                             self._snapshot_kind)
         writer.offer(self._snapshot, info, may_start=a.rank == 0)
 
     def _stateful_objects(self) -> dict[str, Any]:
@@ -197,6 +208,10 @@ class ObjectState(State):
         self.load_tree(tree, str(found.path),
                        hint="to start over instead: --no-resume (or resume=False), or another --snapshot-dir")
         m = found.manifest
+        # The commits go on from the snapshot's step (its commit count, when the state has no
+        # step of its own): the next snapshot is not numbered from 1 again. The sync that
+        # follows gives every rank this count with the state.
+        object.__setattr__(self, "_commits", m.step)
         log.info("Resuming from snapshot %s: step %d, epoch %d, written at world size %d (now %d).",
                  found.path, m.step, m.epoch, m.world_size, worker.assignment.size)
         return found.name

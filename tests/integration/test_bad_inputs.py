@@ -341,6 +341,12 @@ def only_host_does_not_resolve(d: Path):  # found by the driver, before any work
         "--driver-address or --network-interface)", {"hosts": UNRESOLVABLE})
 
 
+def hosts_separated_by_semicolons(d: Path):  # issue 37, item 10: was one host named "a:1;b"
+    return ["launch", "-H", "localhost:1;127.0.0.2:1", PYTHON, "-c", "pass"], {}, Line(
+        "-H/--hosts: {text!r} separates hosts with {separator!r}: expected commas, HOST:SLOTS[,HOST:SLOTS...] "
+        "(-H {commas})", {"text": "localhost:1;127.0.0.2:1", "separator": ";", "commas": "localhost:1,127.0.0.2:1"})
+
+
 def preload_not_a_module_name(d: Path):
     return ["launch", "--preload", "torch,lightning-pytorch", PYTHON, "-c", "pass"], {}, Line(
         "--preload: {name!r} is not a module name, expected e.g. lightning.pytorch", {"name": "lightning-pytorch"})
@@ -368,7 +374,7 @@ INVALID: list[Case] = [
     hostfile_missing, hostfile_bad_line, hostfile_empty, port_out_of_range, stop_grace_not_positive,
     discovery_timeout_not_finite, variable_not_an_int, variable_not_a_flag, variables_give_two_host_sources,
     slurm_outside_an_allocation, only_host_does_not_resolve, preload_not_a_module_name, preload_with_state_dir,
-    preload_without_python,
+    preload_without_python, hosts_separated_by_semicolons,
 ]
 
 
@@ -400,6 +406,16 @@ def test_two_host_sources_on_the_command_line_are_refused_by_the_parser(workdir:
     line = Line("lightning-elastic launch: error: argument {option}: not allowed with argument {other}",
                 {"option": "--hostfile", "other": "-H/--hosts"})
     assert (run.code, run.lines[0].startswith("usage: "), run.lines[-1]) == (2, True, line.text), run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+    assert_documented(line)
+
+
+def test_a_mistyped_option_is_refused_by_launch_with_the_option_it_may_mean(workdir: Path) -> None:
+    # Issue 37, item 10: refused under the top-level usage, with no word of -np.
+    run = cli(workdir, "launch", "--np", "2", PYTHON, "-c", "pass", timeout=60)
+    line = Line("lightning-elastic launch: error: unrecognized arguments: {given} (did you mean {meant}?)",
+                {"given": "--np", "meant": "-np"})
+    assert (run.code, run.lines[0].startswith("usage: lightning-elastic launch "), run.lines[-1]) == (2, True, line.text)
     assert "Traceback" not in run.stderr + run.stdout
     assert_documented(line)
 
@@ -495,3 +511,126 @@ def test_a_discovery_script_slower_than_discovery_timeout_fails_the_launch(workd
     assert (run.code, run.lines[-1]) == (1, PREFIXES["job"] + line.text), run.stderr
     assert time.monotonic() - started < 20
     assert_documented(line)
+
+
+def test_x_pythonpath_is_merged_with_the_launchers_own_entry(workdir: Path) -> None:
+    # mpirun's and horovodrun's habit: -x PYTHONPATH forwards one's own. It must not replace
+    # the launcher's entry (lightning_elastic/_autoload), whose sitecustomize registers
+    # strategy="elastic_hvd" for a script that never imports lightning_elastic (issue 37, item 5).
+    (workdir / "mine").mkdir()
+    (workdir / "mine" / "helper_of_mine.py").write_text("FOUND = True\n")
+    (workdir / "train.py").write_text(
+        "import sys\n"
+        "import helper_of_mine  # from the PYTHONPATH given with -x\n"
+        "record = sys.modules.get('_lightning_elastic_autoload_record')\n"
+        "assert record is not None and record.installed, 'the launcher\\'s sitecustomize did not run'\n"
+        + JOINS)
+    run = cli(workdir, "launch", "-np", "1", "-x", f"PYTHONPATH={workdir / 'mine'}", PYTHON, "train.py")
+    assert run.code == 0, run.stderr[-3000:] + run.stdout[-3000:]
+
+
+SCRIPT_FAILED = ("the script failed on every host before joining the job ({n} worker(s) on {hosts}): worker {worker} "
+                 "exited with status {status}: {error}")
+
+
+@pytest.mark.parametrize(("script", "text", "error"), [
+    ("train.py", "import nosuchmodule_xyz\n", "ModuleNotFoundError: No module named 'nosuchmodule_xyz'"),
+    ("train.py", "x = (\n", "SyntaxError: '(' was never closed"),
+    ("nosuch.py", None, "{python}: can't open file '{dir}/nosuch.py': [Errno 2] No such file or directory"),
+], ids=["import error", "syntax error", "no such script"])
+def test_a_script_that_fails_before_joining_is_the_verdict_not_the_hosts(workdir: Path, script: str, text: str | None,
+                                                                        error: str) -> None:
+    # Issue 37, item 7: it ended "2 slot(s) needed and 1 left in the fixed host list ... lower
+    # --min-np, or give hosts", impossible advice with --min-np 1.
+    if text is not None:
+        (workdir / script).write_text(text)
+    started = time.monotonic()
+    run = cli(workdir, "launch", "-np", "2", "--min-np", "1", PYTHON, script)
+    assert time.monotonic() - started < 30
+    status = 2 if text is None else 1
+    error = error.format(python=PYTHON, dir=workdir)
+    lines = [Line(SCRIPT_FAILED, {"n": 2, "hosts": "localhost", "worker": worker, "status": status, "error": error})
+             for worker in ("localhost[0]#0", "localhost[1]#1")]  # whichever the driver reaped first
+    assert run.code == 1, run.stderr[-3000:]
+    assert run.lines[-1] in [PREFIXES["job"] + line.text for line in lines], run.stderr[-3000:]
+    assert "the job fails in" not in run.stderr  # no wait is announced for a job that cannot wait
+    assert_documented(lines[0])
+
+
+# A loop that commits every few milliseconds, snapshotted often; it prints the value it ends with.
+COMMITS = """\
+import sys
+import time
+import lightning_elastic as le
+
+le.init()
+state = le.ObjectState(value=0)  # no "step": a snapshot's step is the number of commits
+
+
+@le.run
+def train(state):
+    for _ in range(int(sys.argv[1])):
+        state.value += 1
+        state.commit()
+        time.sleep(0.01)
+
+
+train(state)
+print("value", state.value, flush=True)
+"""
+
+
+def test_a_snapshot_dir_of_another_command_is_refused_unless_the_user_says_so(workdir: Path) -> None:
+    # Issue 37, item 8: a reused --snapshot-dir resumed another script's state with a warning
+    # only (a train.py then trained zero epochs and exited 0).
+    (workdir / "other.py").write_text(COMMITS)
+    (workdir / "train.py").write_text(COMMITS)
+    snapshots = workdir / "snapshots"
+    launch = ["launch", "-np", "1", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.05"]
+    first = cli(workdir, *launch, PYTHON, "other.py", "40")
+    assert first.code == 0 and list(snapshots.glob("*.json")), first.stderr[-3000:]
+    newest = max(snapshots.glob("*.pt"), key=lambda path: tuple(int(n) for n in re.findall(r"\d+", path.name)))
+    run = cli(workdir, *launch, PYTHON, "train.py", "40")
+    from lightning_elastic.durable.files import job_id_of  # noqa: PLC0415 - how the ids are made
+
+    line = Line("--snapshot-dir: {name} in {dir} was written by another command (job id {id}, this one's is "
+                "{ours}): pass --no-resume or another --snapshot-dir to start over, or --resume-other-command to resume "
+                "from it", {"name": newest.name, "dir": snapshots, "id": job_id_of((PYTHON, "other.py", "40")),
+                            "ours": job_id_of((PYTHON, "train.py", "40"))})
+    assert (run.code, run.lines[-1]) == (2, PREFIXES["error"] + line.text), run.stderr[-3000:]
+    assert "Started worker" not in run.stderr  # refused before anything started
+    assert_documented(line)
+    # Said so: resumed (the value goes on from the snapshot's), with a warning.
+    run = cli(workdir, *launch, "--resume-other-command", PYTHON, "train.py", "40")
+    assert run.code == 0, run.stderr[-3000:]
+    assert f"resumed from:  {newest}" in run.stderr
+    assert int(re.search(r"value (\d+)", run.stdout).group(1)) > 40
+
+
+def test_a_preload_module_that_cannot_be_imported_is_one_line(workdir: Path) -> None:
+    # Issue 37, item 10: the fork server said "workers start cold" and the worker "starting
+    # cold", two lines for one fact.
+    (workdir / "train.py").write_text(JOINS)
+    run = cli(workdir, "launch", "-np", "1", "--preload", "nosuchmodule_xyz", PYTHON, "train.py")
+    assert run.code == 0, run.stderr[-3000:]
+    said = [line for line in (run.stdout + run.stderr).splitlines() if "cannot import" in line or " cold" in line]
+    line = Line("lightning-elastic: --preload: {reason}: starting cold",
+                {"reason": "the fork server cannot import 'nosuchmodule_xyz' (ModuleNotFoundError: No module named "
+                           "'nosuchmodule_xyz')"})
+    assert said == [f"[-] {line.text}"], said
+
+
+def test_launch_options_after_the_command_and_a_job_without_min_np_are_said_at_the_start(workdir: Path) -> None:
+    # Issue 37, item 10: `launch -np 2 train.py --min-np 1` gave --min-np to the script without
+    # a word, and nothing said the job could not go on with fewer than 2 workers.
+    (workdir / "train.py").write_text(JOINS)
+    run = cli(workdir, "launch", "-np", "2", "train.py", "--min-np", "1")
+    assert run.code == 0, run.stderr[-3000:]
+    hint = Line("Passing {options} to the command, as everything after it: if it is meant for launch, put it before "
+                "the command (-- before the command silences this).", {"options": "--min-np"})
+    elastic = Line("Not elastic below -np: without --min-np, training needs all {n} workers of -np (after a lost worker "
+                   "it waits, up to --elastic-timeout, for a replacement); pass --min-np to train on with fewer.",
+                   {"n": 2})
+    for line in (hint, elastic):
+        assert logged(run, line, "INFO") == [line.text], run.stderr[-3000:]
+        assert_documented(line)

@@ -10,6 +10,7 @@ is small) show the restore is bit for bit the commit.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from typing import Any
 
@@ -109,3 +110,32 @@ def test_a_rank_lost_with_the_holder_of_its_copy_ends_with_one_line_without_a_sn
     assert "sharded state lost from memory" in verdict and "rank(s) 0, 2" in verdict, job.stderr()[-3000:]
     assert "--snapshot-dir" in verdict
     wait_for(lambda: not job.stray_processes(), 15, "the workers to exit")
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_lost_with_its_holder_resumes_from_the_newest_snapshot_which_dcp_loads_at_another_size(
+        job: Job) -> None:
+    snapshots = job.dir / "snapshots"
+    start(job, ["-np", "4", "--min-np", "2", "-H", ",".join(TWO_HOSTS), "--snapshot-dir", str(snapshots),
+                "--snapshot-every", "0.01", "--snapshot-keep", "20"],
+          ["--digests", "--sigkill-at-step", "22", "--sigkill-rank", "0", "--sigkill-rank", "2", "--samples", "512",
+           "--width", "96"])
+    assert job.wait(timeout=200) == 0, job.stdout()[-3000:] + job.stderr()[-3000:]
+    lost = [line for line in job.stdout().splitlines() if "Sharded state lost from memory" in line]
+    assert len(lost) == 1 and "rank(s) 0, 2" in lost[0] and "resuming from snapshot" in lost[0], job.stdout()[-3000:]
+    resumed_at = int(re.search(r"\(step (\d+)\)", lost[0]).group(1))
+    assert 0 < resumed_at <= 22
+    synced = by_round(job.events("synced"))[2]
+    commits = {e["step"]: e["digest"] for e in job.events("commit") if e["round"] == 1}
+    assert {e["step"] for e in synced} == {resumed_at} and {e["digest"] for e in synced} == {commits[resumed_at]}
+    assert_epochs_complete(job, 2)
+
+    # The snapshot written at world size 4, read by torch.distributed.checkpoint at 2.
+    written = sorted(snapshots.glob(f"snapshot-step-{resumed_at}-*.dcp"))
+    assert len(written) == 1, sorted(p.name for p in snapshots.iterdir())
+    check = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "tests" / "integration" / "dcp_load_check.py"), str(written[0]), "96", "3"],
+        capture_output=True, text=True, timeout=120, cwd=job.dir)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert f"digest {commits[resumed_at]}" in check.stdout, check.stdout + check.stderr[-2000:]

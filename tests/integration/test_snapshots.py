@@ -188,7 +188,8 @@ def test_a_killed_elastic_lightning_job_resumes_mid_epoch_from_its_snapshot(job:
     kept = Path(shutil.copy(snapshots / data_name(newest), job.dir / "kept.pt"))
 
     again = relaunch(job, "again")
-    lit.start(again, launch, step_delay=0.0)
+    # Without the first launch's --step-delay: another command line, resumed as the user says.
+    lit.start(again, [*launch, "--resume-other-command"], step_delay=0.0)
     assert again.wait(180) == 0, again.stderr()[-3000:]
     assert f"resumed from:  {snapshots / data_name(newest)}" in again.stderr()
     resumed = [e for e in again.events("synced") if e["pid"] not in first]
@@ -396,3 +397,47 @@ def test_a_newer_snapshot_is_never_replaced_by_an_older_write_that_ends_after_it
     assert job.wait() == 0, job.stderr()[-3000:]
     assert job.world_sizes() == [2, 1]
     assert "0 failed" in next(x for x in job.stderr().splitlines() if x.strip().startswith("snapshots:"))
+
+
+# A loop whose state has no "step" of its own: a snapshot's step is its number of commits.
+COMMITS = """\
+import sys
+import time
+import lightning_elastic as le
+
+le.init()
+state = le.ObjectState(value=0)
+
+
+@le.run
+def train(state):
+    for _ in range(int(sys.argv[1])):
+        state.value += 1
+        state.commit()
+        time.sleep(0.01)
+
+
+train(state)
+"""
+
+
+def test_after_a_resume_the_snapshots_steps_go_on_from_the_resumed_one(job: Job) -> None:
+    # Issue 37, item 9: after a resume from step 110 the next snapshot was step 1.
+    script, snapshots = job.dir / "commits.py", job.dir / "snapshots"
+    script.write_text(COMMITS)
+    launch = ["-np", "1", "--snapshot-dir", str(snapshots), "--snapshot-every", "0.05", "--snapshot-keep", "50"]
+    command = [sys.executable, str(script), "30"]
+    job.start(launch, command=command)
+    assert job.wait(120) == 0, job.stderr()[-3000:]
+    first = manifests(snapshots)
+    assert first, job.stdout()[-3000:]
+    resumed = first[-1]
+    again = relaunch(job, "again")
+    again.start(launch, command=command)
+    assert again.wait(120) == 0, again.stderr()[-3000:]
+    assert f"resumed from:  {snapshots / data_name(resumed)}" in again.stderr()
+    later = [m for m in manifests(snapshots) if m["sequence"] > resumed["sequence"]]
+    assert later, again.stdout()[-3000:]
+    assert all(resumed["step"] < m["step"] <= resumed["step"] + 30 for m in later), (resumed["step"], later)
+    written = [int(n) for n in re.findall(r"Snapshot snapshot-\d+-step-\d+\.pt written \(step (\d+),", again.stdout())]
+    assert written and min(written) > resumed["step"], (resumed["step"], written)

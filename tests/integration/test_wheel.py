@@ -53,7 +53,8 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run([sys.executable, "-m", "venv", root / "venv"], cwd=root, timeout=120)
     python = root / "venv" / "bin" / "python"
     run(["bash", REPO / "scripts" / "install-torch-cpu.sh", root / "venv"], cwd=root, timeout=900)
-    run([python, "-m", "pip", "install", "-q", wheel], cwd=root, timeout=900)
+    # With the cli extra, as the README says for examples/lightning_cli.py (Ray stays out).
+    run([python, "-m", "pip", "install", "-q", f"{wheel}[cli]"], cwd=root, timeout=900)
     return root / "venv"
 
 
@@ -126,3 +127,19 @@ def test_the_lightning_example_survives_a_killed_worker_from_the_wheel(venv: Pat
     done = job.events("done")
     assert len(done) == 1 and done[0]["pid"] != victim
     assert not job.stray_processes()
+
+
+def test_the_readmes_lightning_cli_command_runs_from_the_wheel_with_the_cli_extra(venv: Path, tmp_path: Path) -> None:
+    # Issue 37, item 6: it failed where jsonargparse[signatures] was not installed.
+    readme = (REPO / "README.md").read_text()
+    command = next(line for line in readme.replace("\\\n    ", "").splitlines()
+                   if line.startswith("lightning-elastic launch ") and "examples/lightning_cli.py" in line)
+    assert " python examples/lightning_cli.py fit " in command
+    (tmp_path / "examples").mkdir()
+    for name in ("lightning_cli.py", "lightning_classifier.py"):  # the first imports the second
+        shutil.copy(REPO / "examples" / name, tmp_path / "examples" / name)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("LIGHTNING_ELASTIC_")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # python and lightning-elastic: the venv's
+    result = subprocess.run(command.split(), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lightning-elastic: job succeeded" in result.stderr.splitlines()[-1]

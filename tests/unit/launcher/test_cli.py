@@ -142,6 +142,52 @@ def test_nothing_after_the_command_is_taken_by_the_launcher():
     assert (c.np, c.command) == (3, ("python", "train.py", "--n", "2"))
 
 
+def test_a_mistyped_option_is_refused_by_launch_naming_the_option_it_may_mean(capsys, no_launch):
+    # Issue 37, item 10: --np was refused under the top-level usage, with no word of -np.
+    code, lines = run_main(capsys, "--np", "2", "python", "train.py")
+    assert code == 2 and lines[0].startswith("usage: lightning-elastic launch ")
+    assert lines[-1] == "lightning-elastic launch: error: unrecognized arguments: --np (did you mean -np?)"
+    code, lines = run_main(capsys, "--verbse", "--num_proc=2", "--nothing-like-it", "python", "train.py")
+    assert lines[-1] == ("lightning-elastic launch: error: unrecognized arguments: --verbse (did you mean --verbose?) "
+                         "--num_proc=2 (did you mean --num-proc?) --nothing-like-it")
+
+
+def test_a_mistyped_timeline_option_is_refused_by_timeline(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["timeline", "logs", "--ouptut"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and lines[0].startswith("usage: lightning-elastic timeline ")
+    assert lines[-1] == "lightning-elastic timeline: error: unrecognized arguments: --ouptut (did you mean --output?)"
+
+
+def test_launch_options_after_the_command_go_to_it_with_a_hint(caplog):
+    # Issue 37, item 10: `launch train.py -np 2` gave -np to the script without a word.
+    with caplog.at_level(logging.INFO, logger="lightning_elastic.cli"):
+        c = parse("-np", "1", "python", "train.py", "-np", "2", "--lr", "0.1", "--log-dir=x")
+    assert c.command == ("python", "train.py", "-np", "2", "--lr", "0.1", "--log-dir=x") and c.np == 1
+    assert caplog.messages == ["Passing -np --log-dir=x to the command, as everything after it: if they are meant "
+                               "for launch, put them before the command (-- before the command silences this)."]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_elastic.cli"):
+        parse("-np", "1", "--", "python", "train.py", "--verbose")  # the user said where the command starts
+        parse("-np", "1", "python", "train.py", "--lr", "0.1")
+    assert caplog.messages == []
+
+
+def test_a_job_without_min_np_says_it_is_not_elastic_below_np(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning_elastic.cli"):
+        parse("-np", "2", "python", "train.py")
+    assert caplog.messages == [
+        "Not elastic below -np: without --min-np, training needs all 2 workers of -np (after a lost worker it waits, "
+        "up to --elastic-timeout, for a replacement); pass --min-np to train on with fewer."]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_elastic.cli"):
+        parse("-np", "2", "--min-np", "2", "python", "train.py")  # said explicitly: nothing to add
+        parse("-np", "2", "python", "train.py", environ={"LIGHTNING_ELASTIC_MIN_NP": "1"})
+        parse("python", "train.py")  # one worker: nothing fewer to go on with
+    assert caplog.messages == []
+
+
 def test_a_launch_option_is_not_abbreviated():
     with pytest.raises(SystemExit):
         parse("--verb", "python", "t.py")
@@ -181,6 +227,10 @@ def test_relative_discovery_script_is_made_absolute(script, monkeypatch):
         (["-H", "a", "python"],
          "-H/--hosts: host entry 'a' has no slot count; write HOST:SLOTS or pass --slots-per-host"),
         (["-H", ",", "python"], "-H/--hosts: empty host list ',', expected HOST:SLOTS[,HOST:SLOTS...]"),
+        (["-H", "a:1;b:1", "python"],  # issue 37, item 10: was taken as one host named "a:1;b"
+         "-H/--hosts: 'a:1;b:1' separates hosts with ';': expected commas, HOST:SLOTS[,HOST:SLOTS...] (-H a:1,b:1)"),
+        (["-H", "a:1 b:2", "python"],
+         "-H/--hosts: 'a:1 b:2' separates hosts with ' ': expected commas, HOST:SLOTS[,HOST:SLOTS...] (-H a:1,b:2)"),
         (["-H", "a:1", "--slots-per-host", "0", "python"], "--slots-per-host: must be at least 1, got 0"),
         (["-np", "1", "--start-timeout", "0", "python"],
          "--start-timeout: expected a positive, finite number of seconds, got 0.0"),
@@ -520,7 +570,7 @@ def test_a_py_command_runs_with_this_python(tmp_path, monkeypatch, caplog):
     (tmp_path / "train.py").write_text("print('hi')\n")  # not executable, no shebang
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.INFO, logger="lightning_elastic.cli"):
-        c = parse("-np", "2", "train.py", "--lr", "0.1")
+        c = parse("-np", "2", "--min-np", "1", "train.py", "--lr", "0.1")
     assert c.command == (sys.executable, "train.py", "--lr", "0.1")
     assert caplog.messages == [f"Running train.py with this Python, as torchrun does: {sys.executable} train.py."]
 
@@ -677,6 +727,9 @@ def test_invalid_variables_exit_2_with_one_line_naming_them(capsys, no_launch, e
     [
         (["--snapshot-every", "5"], "--snapshot-every: only with --snapshot-dir"),
         (["--no-resume"], "--no-resume: only with --snapshot-dir"),
+        (["--resume-other-command"], "--resume-other-command: only with --snapshot-dir"),
+        (["--snapshot-dir", "{tmp}", "--no-resume", "--resume-other-command"],
+         "--resume-other-command: not with --no-resume, which starts over"),
         (["--snapshot-dir", "{tmp}", "--snapshot-every", "0"],
          "--snapshot-every: expected a positive, finite number of seconds, got 0.0"),
         (["--snapshot-dir", "{tmp}", "--snapshot-keep", "0"],
@@ -700,6 +753,9 @@ def test_snapshot_options_come_from_the_command_line_or_the_environment(tmp_path
                                              "LIGHTNING_ELASTIC_SNAPSHOT_KEEP": "4"})
     assert c.snapshots is not None and c.snapshots.keep == 4 and c.snapshots.resume
     assert parse("-np", "1", "python").snapshots is None
+    c = parse("-np", "1", "--snapshot-dir", str(tmp_path), "python",
+              environ={"LIGHTNING_ELASTIC_RESUME_OTHER_COMMAND": "1"})
+    assert c.snapshots is not None and c.snapshots.resume_other_command and c.snapshots.resume
 
 
 def test_a_snapshot_dir_that_cannot_be_created_exits_2_before_anything_starts(capsys, tmp_path):

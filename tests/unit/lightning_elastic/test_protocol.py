@@ -361,3 +361,19 @@ def test_reply_signature_fails_when_anything_signed_differs(secret, status, nonc
     if signature == "good":
         signature = p.sign_reply(SECRET, 200, "ab" * 16, b"{}")
     assert not p.verify_reply(secret, status, nonce, body, signature)
+
+
+# ----- clip: one-line texts bounded at a word boundary ----------------------------------------
+
+
+@pytest.mark.parametrize("text, limit, clipped", [
+    ("short enough", 12, "short enough"),
+    ("Connection closed by peer", 20, "Connection closed..."),  # not "Connection closed by..." cut mid-word
+    ("Connection closed by peer", 21, "Connection closed..."),
+    ("Connection closed by peer", 24, "Connection closed by..."),
+    ("x" * 30, 10, "xxxxxxx..."),  # one word longer than half the bound: cut where it must be
+    ("a " + "y" * 30, 12, "a yyyyyyy..."),  # a boundary too early to keep: cut too
+])
+def test_clip_cuts_at_the_last_word_boundary_with_an_ellipsis(text, limit, clipped):
+    assert p.clip(text, limit) == clipped
+    assert len(p.clip(text, limit)) <= limit

@@ -81,6 +81,9 @@ class IdleProcess:
     def exit_detail(self) -> str:
         return ""
 
+    def last_line(self) -> str:
+        return ""
+
 
 class ChangeDuringStartLauncher:
     """While the driver starts a worker (its lock released), a request changes something."""

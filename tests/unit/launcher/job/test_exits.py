@@ -95,12 +95,14 @@ class Row:
     never_joined: bool = False
     cases: tuple[int, ...] = ()  # the chaos-matrix cases it stands for
     xfail: str = ""  # the docs' promise the code breaks
+    failed_before_joining: bool = False
 
 
 def failed(id: str, facts: ExitFacts, failure: str, *, cases: tuple[int, ...] = (), xfail: str = "",
            break_round: bool = False, blacklist: bool = False, host_failed: bool = False,
-           never_joined: bool = False) -> Row:
-    return Row(id, facts, FAILED, failure, break_round, blacklist, host_failed, never_joined, cases, xfail)
+           never_joined: bool = False, failed_before_joining: bool = False) -> Row:
+    return Row(id, facts, FAILED, failure, break_round, blacklist, host_failed, never_joined, cases, xfail,
+               failed_before_joining)
 
 
 ROWS = [
@@ -189,7 +191,15 @@ ROWS = [
            starting(0), f"worker {W} exited with status 0 without ever joining the job",
            blacklist=True, never_joined=True),
     failed("a script that crashes before it joins is a crash, not a script that never joins",
-           starting(2), f"worker {W} exited with status 2", blacklist=True),
+           starting(2), f"worker {W} exited with status 2 before joining the job", blacklist=True,
+           failed_before_joining=True),
+    failed("issue 37, item 7: a script that fails before it joins says its last line (an import error's)",
+           starting(1, last_line="ModuleNotFoundError: No module named 'nosuch'"),
+           f"worker {W} exited with status 1 before joining the job: ModuleNotFoundError: No module named 'nosuch'",
+           blacklist=True, failed_before_joining=True),
+    failed("a worker killed by a signal not the driver's before it joins (the OOM killer while importing)",
+           starting(SIGKILLED), f"worker {W} was killed by SIGKILL before joining the job", blacklist=True,
+           failed_before_joining=True),
     # ----- preemption: a graceful leave, or its fallback ------------------------------------
     Row("rows 5, 29, 30, 37, 51: a preemption SIGTERM: left at the next check, reported removed, exit 0",
         member(0, outcome=Outcome.REMOVED, leave=True, departing=PREEMPTION), LEFT, cases=(5, 29, 30, 37, 51)),
@@ -286,8 +296,10 @@ def matches(text: str, expected: str) -> bool:
 @pytest.mark.parametrize("row", params(ROWS))
 def test_classify_exit(row: Row) -> None:
     verdict = classify_exit(row.facts)
-    got = (verdict.kind, verdict.break_round, verdict.blacklist, verdict.host_failed, verdict.never_joined)
-    assert got == (row.kind, row.break_round, row.blacklist, row.host_failed, row.never_joined), verdict
+    got = (verdict.kind, verdict.break_round, verdict.blacklist, verdict.host_failed, verdict.never_joined,
+           verdict.failed_before_joining)
+    assert got == (row.kind, row.break_round, row.blacklist, row.host_failed, row.never_joined,
+                   row.failed_before_joining), verdict
     if row.kind is FAILED:
         assert matches(verdict.failure, row.failure), verdict.failure
         assert verdict.failure == failure_text(row.facts)  # the log, the summary and the verdict say the same

@@ -14,7 +14,7 @@ import pytest
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.config import LaunchConfig, Timeouts
 from lightning_elastic.launcher.job.blacklist import HostManager
-from lightning_elastic.launcher.job.effects import Announced, Emit, End, RoundFormed, Signal, Start, Wake
+from lightning_elastic.launcher.job.effects import Announced, Emit, End, Log, RoundFormed, Signal, Start, Wake
 from lightning_elastic.launcher.job.liveness import Absences
 from lightning_elastic.launcher.job.rules import Rules
 from lightning_elastic.launcher.job.slots import HostSlots
@@ -35,11 +35,12 @@ class Job:
     """A JobState with the registry the service would record into, and a clock the test moves."""
 
     def __init__(self, hosts: tuple[HostSlots, ...], np: int, min_np: int | None = None, max_np: int | None = None,
-                 **timeouts: float) -> None:
+                 fixed: bool = False, **timeouts: float) -> None:
+        """``fixed``: a fixed host list without a blacklist cooldown (``-H``): it never grows."""
         self.clock = Clock()
         config = LaunchConfig(command=("x",), np=np, min_np=min_np or np, max_np=max_np or np, hosts=hosts,
-                              timeouts=Timeouts(**timeouts), blacklist_cooldown=(10.0, 20.0))
-        self.rules = Rules(config)
+                              timeouts=Timeouts(**timeouts), blacklist_cooldown=None if fixed else (10.0, 20.0))
+        self.rules = Rules(config, fixed_hosts=fixed)
         self.state = JobState(hosts=HostManager(config.blacklist_cooldown, self.clock), address="h", port=1)
         self.state.absences = Absences.starting(self.clock.now, config.timeouts.heartbeat_period)
         self.registry = Registry(self.clock, state=self.state)
@@ -240,3 +241,74 @@ def test_a_rounds_members_are_told_where_the_driver_serves_the_store():
     [worker] = job.formed()
     a = job.state.workers[worker].assignment
     assert (a.store_host, a.store_port) == ("10.0.0.7", 29500)
+
+
+# ----- a script that fails before it joins (issue 37, item 7) --------------------------------
+
+IMPORT_ERROR = "ModuleNotFoundError: No module named 'nosuchmodule'"
+
+
+def ends(fx) -> list[str]:
+    return [e.verdict.reason for e in fx.of(End)]
+
+
+def waiting_lines(fx) -> list[str]:
+    return [e.message for e in fx.of(Log) if e.message.startswith("Waiting for")]
+
+
+def test_a_script_that_fails_on_every_slot_before_joining_ends_the_job_naming_its_error_not_the_hosts():
+    job = Job((HostSlots("a", 2),), np=2, min_np=1, fixed=True)
+    ids = [s.worker_id for s in job.turn().of(Start)]
+    fx = job.turn((Exited(ids[0], 1, last_line=IMPORT_ERROR),))
+    # The fixed list can no longer give 2 slots, but the other worker runs the same script:
+    # its end is awaited, and no "the job fails in 600 s" is said of a job that cannot wait.
+    assert not ends(fx) and not waiting_lines(fx)
+    assert job.state.workers[ids[0]].failure == f"worker {ids[0]} exited with status 1 before joining the job: " \
+                                               f"{IMPORT_ERROR}"
+    fx = job.turn((Exited(ids[1], 1, last_line=IMPORT_ERROR),), advance=0.05)
+    assert ends(fx) == [f"the script failed on every host before joining the job (2 worker(s) on a): worker {ids[0]} "
+                        f"exited with status 1: {IMPORT_ERROR}"]
+
+
+def test_a_script_failure_before_joining_waits_for_the_others_only_start_failure_grace():
+    job = Job((HostSlots("a", 1), HostSlots("b", 1)), np=2, fixed=True, start_failure_grace=5.0)
+    ids = [s.worker_id for s in job.turn().of(Start)]
+    assert not ends(job.turn((Exited(ids[1], 2),)))  # b's worker; nothing printed: no last line
+    assert not ends(job.turn(advance=4.9))
+    assert ends(job.turn(advance=0.2)) == [
+        f"the script failed before joining the job (1 worker(s) on b; none joined, 1 still starting): worker {ids[1]} "
+        "exited with status 2"]
+
+
+def test_once_a_worker_joined_a_failure_before_joining_is_its_hosts_and_the_slots_verdict_stands():
+    job = Job((HostSlots("a", 1), HostSlots("b", 1)), np=2, fixed=True)
+    ids = [s.worker_id for s in job.turn().of(Start)]
+    job.arrive(ids[0])  # joined: the script can join, b's failure is b's
+    fx = job.turn((Exited(ids[1], 1, last_line=IMPORT_ERROR),))
+    assert ends(fx) == ["2 slot(s) needed and 1 left in the fixed host list (b blacklisted for the rest of the job), "
+                        "which can never grow: lower --min-np, or give hosts with --host-discovery-script"]
+
+
+def test_a_worker_stopped_by_the_driver_before_joining_is_no_script_failure():
+    job = Job((HostSlots("a", 1),), np=1)
+    (worker,) = [s.worker_id for s in job.turn().of(Start)]
+    job.state.workers[worker].kill_reason = "it did not reach the rendezvous within 600 s"
+    job.turn((Exited(worker, -signal.SIGKILL),))
+    assert job.state.start_failures.count == 0
+
+
+def test_no_wait_is_announced_in_the_turn_the_job_fails():
+    # Issue 37, item 10: "the job fails in 600 s without them" came just before the verdict.
+    job = Job((HostSlots("a", 1),), np=1)
+    (worker,) = job.formed()
+    fx = job.turn((Exited(worker, -signal.SIGKILL),))
+    assert ends(fx) == [f"all 1 worker(s) of round 1 failed; first: worker {worker} was killed by SIGKILL"]
+    assert not waiting_lines(fx)
+
+
+def test_a_wait_for_slots_that_may_still_appear_is_announced():
+    job = Job((HostSlots("a", 1), HostSlots("b", 1)), np=2, min_np=2)
+    ids = job.formed()
+    fx = job.turn((Exited(ids[1], -signal.SIGKILL),))
+    assert not ends(fx)
+    assert waiting_lines(fx) == ["Waiting for %d slot(s): %d available on %s; the job fails in %.0f s without them."]

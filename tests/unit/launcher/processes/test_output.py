@@ -198,3 +198,20 @@ def test_an_endless_line_is_forwarded_in_bounded_pieces():
     pieces = list(segments(stream, max_line=256))
     assert b"".join(pieces) == b"x" * 1000 + b"\n"
     assert max(map(len, pieces)) < 2 * 256  # held in memory: at most two reads
+
+
+def test_the_forwarder_keeps_the_last_line_with_text_bounded():
+    # What explains a worker that failed before it joined: its exception's last line.
+    from lightning_elastic.launcher.processes.output import LAST_LINE_CHARS
+
+    text = (b"Traceback (most recent call last):\n  File \"train.py\", line 1\n"
+            b"ModuleNotFoundError: No module named 'nosuch'\n\n  \n")
+    forwarder = LineForwarder(io.BufferedReader(io.BytesIO(text)), lambda: "", None, OutputSink(io.StringIO()), "w")
+    forwarder.start()
+    assert forwarder.join(BOUND)
+    assert forwarder.last_line == "ModuleNotFoundError: No module named 'nosuch'"
+    long_words = b"word " * 200 + b"\n"
+    forwarder = LineForwarder(io.BufferedReader(io.BytesIO(long_words)), lambda: "", None, OutputSink(io.StringIO()), "w")
+    forwarder.start()
+    assert forwarder.join(BOUND)
+    assert len(forwarder.last_line) <= LAST_LINE_CHARS and forwarder.last_line.endswith("word...")

@@ -237,7 +237,7 @@ def fit_attempt(strategy, strict: bool = True) -> None:
     """What Lightning calls of the strategy in a fit: restore (when there is a commit), then set up DDP."""
     from lightning_elastic.lightning.commit import COMMIT_MARKER  # noqa: PLC0415
 
-    if strategy.agree_on_restore(SimpleNamespace(loggers=[])):
+    if strategy.agree_on_restore(SimpleNamespace(loggers=[], callbacks=[])):
         checkpoint = strategy.load_checkpoint(COMMIT_MARKER)
         strategy.load_model_state_dict(checkpoint, strict=strict)
     strategy.configure_ddp()

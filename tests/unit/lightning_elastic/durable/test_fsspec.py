@@ -46,10 +46,14 @@ def info(step: int, **extra) -> SnapshotInfo:
                         extra=extra or None)
 
 
+# The job id of the command the driver tests launch: their snapshots are this command's.
+JOB_ID = files.job_id_of(("python", "train.py"))
+
+
 def write(url: str, steps, keep: int = 3) -> SnapshotWriter:
     clock = iter(range(0, 10**6, 100))  # every offer is due
     snapshot = HostSnapshot()
-    writer = SnapshotWriter(SnapshotSettings(url, every=1.0, keep=keep), "job-1", clock=lambda: next(clock))
+    writer = SnapshotWriter(SnapshotSettings(url, every=1.0, keep=keep), JOB_ID, clock=lambda: next(clock))
     for step in steps:
         snapshot.capture(tree(step))
         assert writer.offer(snapshot, info(step))
@@ -86,7 +90,7 @@ def test_snapshots_are_objects_with_manifests_and_the_last_k_kept(url):
     # Pruning deleted the two oldest snapshots' objects; no temporary object anywhere.
     assert names(url) == ["snapshot-3-step-3.json", "snapshot-3-step-3.pt", "snapshot-4-step-4.json", "snapshot-4-step-4.pt"]
     manifest = json.loads(cat(url, "snapshot-4-step-4.json"))
-    assert manifest["step"] == 4 and manifest["job_id"] == "job-1" and manifest["size"] == len(cat(url, "snapshot-4-step-4.pt"))
+    assert manifest["step"] == 4 and manifest["job_id"] == JOB_ID and manifest["size"] == len(cat(url, "snapshot-4-step-4.pt"))
     assert manifest["sha256"] == files.file_sha256(f"{url}/snapshot-4-step-4.pt")
     loaded = le.load_snapshot(url)  # the directory: its newest valid snapshot
     assert loaded["values"] == {"step": 4} and torch.equal(loaded["stateful"]["model"]["w"], torch.full((1000,), 4.0))

@@ -337,18 +337,48 @@ def test_the_driver_resumes_from_the_newest_valid_snapshot_and_says_so(tmp_path,
     write_three(tmp_path / "s")
     (tmp_path / "s" / "snapshot-3-step-3.pt").write_bytes(b"torn")
     events = EventLog(tmp_path / "logs")
+    job_id = files.job_id_of(("python", "train.py"))
+    for manifest in (tmp_path / "s").glob("*.json"):  # this command's snapshots
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "job_id": job_id}))
     with caplog.at_level(logging.INFO, logger="lightning_elastic"):
         resume = snapshots.choose(SnapshotSettings(tmp_path / "s"), ("python", "train.py"), events)
     events.close()
     assert resume is not None and resume.found is not None and resume.found.manifest.step == 2
     assert resume.env[files.ENV_RESUME_FROM] == str(tmp_path / "s" / "snapshot-2-step-2.pt")
     assert "skipping snapshot snapshot-3-step-3.json" in caplog.text
-    assert "another command" in caplog.text  # written by job-1, not by this command
+    assert "another command" not in caplog.text
     assert "was written by lightning-elastic" not in caplog.text  # this very version
     logged = [json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in logged if e["kind"] == "resumed_from_snapshot"] == [2]
     no_resume = snapshots.choose(SnapshotSettings(tmp_path / "s", resume=False), ("python",), EventLog(None))
     assert no_resume is not None and no_resume.found is None and files.ENV_RESUME_FROM not in no_resume.env
+
+
+def test_a_snapshot_another_command_wrote_is_refused_unless_the_user_says_so(tmp_path, caplog):
+    # Issue 37, item 8: resumed with a warning only, another script's state trained nothing.
+    from lightning_elastic.launcher.errors import ConfigError
+    from lightning_elastic.launcher.observe.events import EventLog
+    from lightning_elastic.launcher.restart import resume as snapshots
+
+    write_three(tmp_path)  # by job "job-1"
+    this = files.job_id_of(("python", "train.py"))
+    with pytest.raises(ConfigError) as refused:
+        snapshots.choose(SnapshotSettings(tmp_path), ("python", "train.py"), EventLog(None))
+    assert str(refused.value) == (
+        f"--snapshot-dir: snapshot-3-step-3.pt in {tmp_path} was written by another command (job id job-1, this one's "
+        f"is {this}): pass --no-resume or another --snapshot-dir to start over, or --resume-other-command to resume "
+        "from it")
+    with caplog.at_level(logging.WARNING, logger="lightning_elastic"):
+        resume = snapshots.choose(SnapshotSettings(tmp_path, resume_other_command=True), ("python", "train.py"),
+                                  EventLog(None))
+    assert resume is not None and resume.found is not None and resume.found.manifest.step == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Snapshot snapshot-3-step-3.pt was written by a launch with another command (job id job-1, this one {this}): "
+        "resuming from it (--resume-other-command)."]
+    fresh = snapshots.choose(SnapshotSettings(tmp_path, resume=False), ("python", "train.py"), EventLog(None))
+    assert fresh is not None and fresh.found is None  # --no-resume: nothing to refuse
+    with pytest.raises(SnapshotError, match="--resume-other-command: not with --no-resume"):
+        SnapshotSettings(tmp_path, resume=False, resume_other_command=True)
 
 
 def test_a_snapshot_of_another_version_or_format_is_said_in_one_line(tmp_path, caplog):
@@ -360,7 +390,8 @@ def test_a_snapshot_of_another_version_or_format_is_said_in_one_line(tmp_path, c
     newest.write_text(json.dumps({**json.loads(newest.read_text()), "format": files.FORMAT + 1}))
     previous.write_text(json.dumps({**json.loads(previous.read_text()), "library": "0.0.1"}))
     with caplog.at_level(logging.INFO, logger="lightning_elastic"):
-        resume = snapshots.choose(SnapshotSettings(tmp_path), ("python", "train.py"), EventLog(None))
+        resume = snapshots.choose(SnapshotSettings(tmp_path, resume_other_command=True), ("python", "train.py"),
+                                  EventLog(None))
     assert resume is not None and resume.found is not None and resume.found.manifest.step == 2
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     refused = [m for m in said if "snapshot-3-step-3.json" in m]

@@ -106,6 +106,50 @@ def test_the_default_paces_commits_and_checks_every_step(monkeypatch):
     assert strategy.commits[-1] == 21
 
 
+class TogetherStrategy(ScriptedStrategy):
+    """A strategy whose commits are collectives (elastic_fsdp): the ranks' decisions are agreed."""
+
+    commits_together = True
+
+    def __init__(self, worker: FakeWorker, others: int, on_commit: Callable[[], None] = lambda: None) -> None:
+        super().__init__(worker, on_commit)
+        self.others = others  # the largest value the other ranks bring
+        self.asked: list[int] = []
+
+    def largest_among_ranks(self, value: int) -> int:
+        self.asked.append(value)
+        return max(value, self.others)
+
+
+def test_when_commits_are_collectives_the_paced_interval_is_the_largest_among_the_ranks(monkeypatch):
+    # Alone this rank would commit every 5 steps (as above); another rank's timings ask for 8.
+    clock = FakeClock()
+    monkeypatch.setattr(callbacks.time, "perf_counter", clock)
+    strategy = TogetherStrategy(FakeWorker(), others=8, on_commit=lambda: clock.advance(0.0005))
+    callback = ElasticCallback()
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=0, callbacks=[callback], world_size=1,
+                                    is_global_zero=True, loggers=[])
+    callback.on_train_start(trainer, None)
+    for batch_idx in range(20):
+        clock.advance(0.010)
+        trainer.global_step += 1
+        callback.on_train_batch_end(trainer, None, None, None, batch_idx)
+    assert strategy.commits == [1, 9, 17]
+    assert strategy.asked == [1, 5, 5]  # this rank's own interval at each commit, agreed with the others
+
+
+def test_a_fixed_interval_needs_no_agreement():
+    strategy = TogetherStrategy(FakeWorker(), others=8)
+    callback = ElasticCallback(commit_every_n_steps=3)
+    trainer = types.SimpleNamespace(strategy=strategy, global_step=0, callbacks=[callback], world_size=1,
+                                    is_global_zero=True, loggers=[])
+    callback.on_train_start(trainer, None)
+    for batch_idx in range(7):
+        trainer.global_step += 1
+        callback.on_train_batch_end(trainer, None, None, None, batch_idx)
+    assert strategy.commits == [3, 6] and strategy.asked == []
+
+
 @pytest.mark.parametrize(
     ("commit_s", "step_s", "budget", "max_redo_s", "expected"),
     [
@@ -202,15 +246,19 @@ def test_elastic_metrics_go_to_the_loggers_once_per_fit_attempt_from_rank_zero(g
     worker.resets, worker.last_recovery_s = 2, 0.125
     logger = RecordingLogger()
     callback = ElasticCallback(commit_every_n_steps=1)
+    epoch_loop = types.SimpleNamespace(_batches_that_stepped=0)
     trainer = types.SimpleNamespace(strategy=ScriptedStrategy(worker), global_step=0, callbacks=[callback],
-                                    world_size=3, is_global_zero=global_zero, loggers=[logger])
+                                    world_size=3, is_global_zero=global_zero, loggers=[logger],
+                                    fit_loop=types.SimpleNamespace(epoch_loop=epoch_loop))
     for attempt in range(2):
         callback.on_train_start(trainer, None)
         for batch_idx in range(3):
+            epoch_loop._batches_that_stepped = trainer.global_step  # Lightning counts it after the batch end
             trainer.global_step += 1
             callback.on_train_batch_end(trainer, None, None, None, batch_idx)
     expected = {"elastic/world_size": 3.0, "elastic/resets": 2.0, "elastic/last_recovery_s": 0.125}
-    assert logger.logged == ([(expected, 1), (expected, 4)] if global_zero else [])
+    # At the step Lightning logs the batch's own rows at (one less than the global step after it).
+    assert logger.logged == ([(expected, 0), (expected, 3)] if global_zero else [])
 
 
 _FIT_WITH_VALIDATION = r"""

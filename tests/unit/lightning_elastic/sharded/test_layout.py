@@ -15,6 +15,7 @@ from lightning_elastic.sharded.layout import (
     Restore,
     choose_commit,
     covers_hosts,
+    describe_coverage,
     holder_shift,
     plan_transfers,
     rows_of,
@@ -136,3 +137,24 @@ def test_transfers_cover_every_new_row_exactly_once_from_the_rank_that_had_it(ol
             for row in range(dst_start, dst_start + t.rows):
                 written[row] = written.get(row, 0) + 1
         assert written == {row: 1 for row in range(count)}
+
+
+# ----- the log line that says what a lost rank or host costs ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("hosts", "said"),
+    [
+        (["a"], "Sharded state: one rank, no copy of its commit held elsewhere."),
+        (["a", "a", "b", "b"], "Sharded state: 4 ranks on 2 hosts; each commit's rows are copied to rank + 2, on "
+                               "another host: one lost host loses nothing."),
+        (["a", "a", "a"], "Sharded state: 3 ranks on one host; each commit's rows are copied to the next rank: one "
+                          "lost rank loses nothing (the host lost needs --snapshot-dir)."),
+        # 4 -> 3 after a loss on the first host: the second holds two of three ranks.
+        (["a", "b", "b"], "Sharded state: 3 ranks on 2 hosts; each commit's rows are copied to the next rank: one "
+                          "lost rank loses nothing; b holds more than half of the ranks, so losing it needs "
+                          "--snapshot-dir."),
+    ],
+)
+def test_the_coverage_said_for_each_layout(hosts, said):
+    assert describe_coverage(hosts, holder_shift(hosts)) == said

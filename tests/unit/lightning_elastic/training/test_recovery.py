@@ -184,6 +184,16 @@ def test_describe_error_is_the_last_traceback_line_bounded():
     assert len(describe_error(ValueError("x" * 2000))) == 500
 
 
+def test_a_long_gloo_error_is_cut_at_a_word_boundary_with_an_ellipsis():
+    # What the job's verdict shows after "after raising": no word cut in two (issue 37, item 10).
+    gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+            "[127.0.0.1]:41818 " * 10).strip()
+    described = describe_error(RuntimeError(gloo.removeprefix("RuntimeError: ")))
+    assert len(described) <= 500 and described.endswith("...")
+    kept = described.removesuffix("...")
+    assert gloo.startswith(kept) and gloo[len(kept)] == " ", described[-40:]
+
+
 def test_a_failing_release_does_not_stop_the_worker_from_rejoining():
     # Failing every time, it would otherwise keep the worker in its broken round for ever.
     m = FakeMember()

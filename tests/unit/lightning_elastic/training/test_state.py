@@ -459,3 +459,59 @@ def joiner_sync(rank: int, worker: FakeWorker) -> tuple[list[float], int]:
 def test_a_joiner_without_tensor_state_receives_rank_0s_state_and_commit():
     results = run_ranks(2, joiner_sync)
     assert results == [([3.0, 3.0, 3.0], 4000)] * 2
+
+
+# ----- a snapshot's step: the commits in the state's history (issue 37, item 9) ----------------
+
+
+def _snapshotting_worker(directory) -> FakeWorker:
+    from lightning_elastic.durable.files import SnapshotSettings
+    from lightning_elastic.durable.store import SnapshotWriter
+
+    clock = iter(range(0, 10**6, 100))  # every commit's offer is due
+    worker = FakeWorker()
+    worker.snapshot_writer = SnapshotWriter(SnapshotSettings(directory, every=1.0), "job", clock=lambda: next(clock))
+    return worker
+
+
+def _commit(state: ObjectState, times: int) -> None:
+    for _ in range(times):
+        state.value += 1
+        state.commit()
+        assert state.worker.snapshot_writer.wait(10)
+
+
+def _steps(directory) -> list[int]:
+    import json
+
+    return sorted(json.loads(path.read_text())["step"] for path in directory.glob("snapshot-*.json"))
+
+
+def test_a_resumed_jobs_snapshots_go_on_from_the_resumed_step_not_from_one(tmp_path):
+    from lightning_elastic.durable.store import ResumePlan
+
+    first = ObjectState(_snapshotting_worker(tmp_path), value=0)  # no "step" value: commits count
+    _commit(first, 3)
+    assert _steps(tmp_path) == [2, 3]  # the last two kept
+    # A new launch of the job: its rank 0 resumes from snapshot step 3, then commits twice.
+    worker = _snapshotting_worker(tmp_path)
+    worker.resume_from = ResumePlan(None, tmp_path)
+    again = ObjectState(worker, value=0)
+    assert again.resume_from_snapshot() == "snapshot-3-step-3.pt"
+    again.sync()
+    assert again.value == 3
+    _commit(again, 2)
+    assert _steps(tmp_path) == [4, 5]  # was [1, 2]: the next snapshot logged as step 1
+
+
+def test_the_commit_count_goes_back_with_the_state_it_counts(tmp_path):
+    state = ObjectState(_snapshotting_worker(tmp_path), value=0)
+    _commit(state, 2)
+    state.value += 1
+    state.commit()  # the third commit ...
+    assert state.worker.snapshot_writer.wait(10)
+    state.value += 1  # ... and work after it, lost to a peer's failure
+    state.restore()
+    assert state.value == 3
+    _commit(state, 1)
+    assert _steps(tmp_path) == [3, 4]

@@ -1,0 +1,121 @@
+"""``Trainer(strategy="elastic_fsdp")`` end to end: real launches of a ``configure_model`` +
+``fully_shard`` LightningModule (examples/lightning_sharded.py).
+
+The example logs every training step's sample indices before the optimizer step, and a
+digest of the whole model and optimizer state (gathered from the shards) after every
+commit and at every fit attempt's start. A step lost to a failure is redone, and logged
+again, in a later round; the committed history is the newest round's record of each step.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from typing import Any
+
+import pytest
+
+from tests.integration.harness import REPO, Job, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+EXAMPLE = REPO / "examples" / "lightning_sharded.py"
+SAMPLES, BATCH, EPOCHS, LR, GAMMA, COMMIT_EVERY = 384, 4, 2, 1e-3, 0.5, 4
+HOSTS = "127.0.0.1:2,127.0.0.2:2"  # ranks 0, 1 on the first host; each rank's copy on the other
+
+
+def start(job: Job, launch_args: list[str], *extra: str) -> None:
+    command = [sys.executable, str(EXAMPLE), "--events", str(job.events_dir), "--log-dir", str(job.dir / "logs"),
+               "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--lr", str(LR),
+               "--commit-every", str(COMMIT_EVERY), "--digests", *extra]
+    job.start(launch_args, command=command)
+
+
+def committed_history(job: Job) -> dict[int, list[dict[str, Any]]]:
+    """For each global step, the records (one per rank) of the newest round that ran it."""
+    by_step: dict[int, dict[int, list[dict[str, Any]]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for e in job.events("step"):
+        by_step[e["step"]][e["round"]].append(e)
+    return {step: rounds[max(rounds)] for step, rounds in sorted(by_step.items())}
+
+
+def assert_exactly_once(job: Job) -> dict[int, list[dict[str, Any]]]:
+    history = committed_history(job)
+    assert list(history) == list(range(1, len(history) + 1)), f"steps missing: {sorted(history)}"
+    per_epoch: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for step, records in history.items():
+        assert len(records) == records[0]["size"], f"step {step}: {len(records)} ranks logged, world {records[0]['size']}"
+        for r in records:
+            per_epoch[r["epoch"]].update(r["indices"])
+    assert sorted(per_epoch) == list(range(EPOCHS))
+    for epoch, counts in per_epoch.items():
+        repeated = {i: c for i, c in counts.items() if c != 1}
+        missing = set(range(SAMPLES)) - set(counts)
+        assert not repeated and not missing, f"epoch {epoch}: repeated {repeated}, missing {sorted(missing)[:20]}"
+    return history
+
+
+def test_a_worker_killed_mid_epoch_the_survivors_reshard_the_commit_and_finish_in_the_same_processes(job: Job) -> None:
+    # Rank 1 kills itself after step 10 (of 24 in the first epoch at world 4); the last
+    # commit is step 8's. Its rows live on as rank 3's copy, on the other host.
+    start(job, ["-np", "4", "--min-np", "2", "-H", HOSTS], "--sigkill-at-step", "10", "--sigkill-rank", "1")
+    assert job.wait(120) == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [4, 3]
+    assert "job succeeded" in job.reason()
+    killed = job.events("sigkill")
+    assert [(e["rank"], e["step"]) for e in killed] == [(1, 10)]
+    survivors = {e["pid"] for e in job.events("start")} - {killed[0]["pid"]}
+    done = job.events("done")
+    assert {e["pid"] for e in done} == survivors  # the same processes, none restarted
+
+    # The new world restored the newest commit, bit for bit, into the model rebuilt on its mesh.
+    commits = {e["step"]: e["digest"] for e in job.events("commit") if e["round"] == 1}
+    assert sorted(commits) == [4, 8], commits
+    synced = [e for e in job.events("synced") if e["round"] == 2]
+    assert {e["pid"] for e in synced} == survivors
+    assert {(e["step"], e["digest"]) for e in synced} == {(8, commits[8])}
+    assert {tuple(e["optimizer_steps"]) for e in synced} == {(8.0,)}
+
+    # Every sample once per epoch in the committed history; the fit ends at world 3.
+    history = assert_exactly_once(job)
+    steps = len(history)
+    assert {(d["size"], d["step"]) for d in done} == {(3, steps)}
+    assert all(d["optimizer_steps"] == [float(steps)] for d in done), done  # every parameter, every rank
+    assert len({d["digest"] for d in done}) == 1
+    assert all(d["scheduler_epoch"] == EPOCHS for d in done)  # StepLR stepped once per epoch
+
+    # ScaleLearningRate: the LR rescaled by 3/4 at the reset, on every survivor.
+    resets = job.events("reset")
+    assert {e["pid"] for e in resets} == survivors
+    assert all((e["old"], e["new"], e["round"]) == (4, 3, 2) for e in resets)
+    assert all(e["lr"] == pytest.approx(LR * 3 / 4) for e in resets)
+    assert all(d["lr"] == pytest.approx(LR * 3 / 4 * GAMMA**EPOCHS) for d in done)
+
+
+def test_a_host_added_then_removed_reshards_the_live_state_without_rollback(job: Job) -> None:
+    job.set_hosts("127.0.0.1:2")
+    # Slow steps: the joiners take seconds to import torch and Lightning.
+    start(job, ["--host-discovery-script", str(job.discovery_script()), "--discovery-interval", "0.2",
+                "-np", "2", "--min-np", "2", "--max-np", "4"], "--step-delay", "0.1")
+    job.wait_steps(3)
+    job.set_hosts("127.0.0.1:2", "127.0.0.2:2")
+    wait_for(lambda: any(e["round"] == 2 for e in job.events("step")), 90, "steps in round 2")
+    job.wait_steps(max(e["step"] for e in job.events("step")) + 4)
+    job.set_hosts("127.0.0.1:2")  # the joiners leave: their rows come from their copies on the first host
+    assert job.wait(120) == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [2, 4, 2]
+    # Announced changes keep the live state: each round starts right after the previous one's
+    # last step, from the state committed there.
+    for number in (2, 3):
+        before = max(e["step"] for e in job.events("step") if e["round"] == number - 1)
+        first = min(e["step"] for e in job.events("step") if e["round"] == number)
+        assert first == before + 1, f"round {number} redid or skipped steps: {before} -> {first}"
+        synced = [e for e in job.events("synced") if e["round"] == number]
+        assert {e["step"] for e in synced} == {before} and len({e["digest"] for e in synced}) == 1
+    history = assert_exactly_once(job)
+    done = job.events("done")
+    assert {(d["size"], d["step"]) for d in done} == {(2, len(history))}
+    assert all(d["optimizer_steps"] == [float(len(history))] for d in done), done
+    resets = collections.Counter((e["round"], e["old"], e["new"]) for e in job.events("reset"))
+    assert resets == {(2, 2, 4): 4, (3, 4, 2): 2}, resets
+    assert all(d["lr"] == pytest.approx(LR * GAMMA**EPOCHS) for d in done)  # x 4/2, then x 2/4

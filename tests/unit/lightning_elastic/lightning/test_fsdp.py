@@ -1,0 +1,144 @@
+"""strategy="elastic_fsdp": its options, its name, and a fit's sharded parts with several
+optimizers (lightning_elastic/lightning/fsdp.py, sharded_commit.py). The strategy's resets run
+in real launches: tests/integration/test_lightning_sharded.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from tests.troubleshooting_rows import assert_documented
+from tests.unit.fakes import run_ranks
+
+pytest.importorskip("lightning")
+from lightning_elastic.lightning.fsdp import ElasticFSDPStrategy  # noqa: E402
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tensor_parallel_size=2), "ElasticFSDPStrategy: tensor_parallel_size=2: tensor parallelism is not "
+                                       "supported; expected 1 (FSDP2 over every rank of the job)"),
+        (dict(data_parallel_size=4), "ElasticFSDPStrategy: data_parallel_size=4: the data-parallel size is the job's "
+                                     "world size, set by lightning-elastic launch; expected it left out"),
+        (dict(timeout="10 minutes"), "ElasticFSDPStrategy: timeout must be a datetime.timedelta, got '10 minutes'"),
+        (dict(process_group_backend="mpi"), "process_group_backend: expected one of 'gloo', 'nccl', got 'mpi'"),
+    ],
+)
+def test_invalid_options_are_one_line_errors_when_the_strategy_is_built(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        ElasticFSDPStrategy(**kwargs)
+    assert str(info.value) == message
+    if "parallel_size" in message:
+        assert_documented(message)
+
+
+def test_tensor_parallel_size_one_and_a_timeout_are_accepted():
+    strategy = ElasticFSDPStrategy(tensor_parallel_size=1, timeout=timedelta(minutes=5))
+    assert strategy.commits_together
+
+
+def test_the_name_is_registered_with_lightning():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_elastic  # noqa: F401  (registers both names once lightning.pytorch is imported)
+
+    assert StrategyRegistry["elastic_fsdp"]["strategy"] is ElasticFSDPStrategy
+
+
+# ----- a fit's parts: the module with each of its optimizers --------------------------
+
+
+class Two(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 6)
+        self.b = torch.nn.Linear(6, 3)
+        self.register_buffer("scale", torch.full((3,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) * self.scale
+
+
+def _build(meta: bool) -> tuple[Two, list[torch.optim.Optimizer]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        module = Two()
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(module.a, mesh=mesh)
+    fully_shard(module.b, mesh=mesh)
+    if meta:
+        module.to_empty(device="cpu")
+    optimizers = [torch.optim.AdamW(module.a.parameters(), lr=0.1),
+                  torch.optim.SGD(module.b.parameters(), lr=0.2, momentum=0.9)]
+    return module, optimizers
+
+
+def _state(module: Two, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
+    out: list[Any] = [t.to_local().clone() if hasattr(t, "to_local") else t.clone()
+                      for t in (*module.parameters(), *module.buffers())]
+    for optimizer in optimizers:
+        for param in (p for g in optimizer.param_groups for p in g["params"]):
+            for key, value in sorted(optimizer.state[param].items()):
+                out.append((key, value.to_local().clone() if hasattr(value, "to_local") else value))
+        out.append([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    return out
+
+
+def two_optimizers_round_trip(rank: int, worker: object) -> str:
+    from lightning_elastic.lightning import compat
+    from lightning_elastic.lightning.commit import CommitInfo
+    from lightning_elastic.lightning.sharded_commit import destinations, load_fit, split_fit
+    from lightning_elastic.training.state import to_host
+
+    module, optimizers = _build(meta=False)
+    module.scale.fill_(3.0)
+    for _ in range(2):
+        module(torch.randn(5, 4)).sum().backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    checkpoint = {"state_dict": "weights", "optimizer_states": "moments", "epoch": 0, "lr_schedulers": []}
+    info = CommitInfo(2, 2, None, compat.collect_rng_states())
+    entries, tensors, rest = split_fit(module, optimizers, checkpoint, info)
+    kinds = sorted({e.key[0] for e in entries})
+    # A rebuild at the same world size: each local row is this rank's own.
+    fresh, fresh_optimizers = _build(meta=True)
+    with torch.no_grad():  # as exchange.run_transfers writes them
+        for index, target in destinations(fresh, fresh_optimizers, tuple(entries)).items():
+            target.copy_(tensors[index])
+    loaded = load_fit(fresh, fresh_optimizers, to_host(rest), 2)
+    same = all(_equal(a, b) for a, b in zip(_state(module, optimizers), _state(fresh, fresh_optimizers), strict=True))
+    try:
+        load_fit(fresh, fresh_optimizers[:1], to_host(rest), 2)
+        mismatch = "no error"
+    except Exception as err:  # noqa: BLE001 - the message is what is checked
+        mismatch = str(err)
+    return repr((kinds, same, sorted(loaded), mismatch))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple):
+        return a[0] == b[0] and _equal(a[1], b[1])
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_a_fit_with_two_optimizers_comes_back_whole_in_a_rebuilt_module():
+    results = run_ranks(2, two_optimizers_round_trip, timeout=60)
+    kinds, same, keys, mismatch = eval(results[0])  # noqa: S307 - our own repr
+    assert results[0] == results[1]
+    assert kinds == ["model", "optimizer", "optimizer1.optimizer"]  # AdamW's moments, SGD's momentum
+    assert same, "the rebuilt module or optimizers differ from the committed ones"
+    assert keys == ["epoch", "lr_schedulers"]  # Lightning's state dicts are the rows instead
+    assert mismatch == ("sharded state: the commit has 2 optimizer(s), the rebuilt fit 1; expected "
+                        "configure_optimizers to return the same optimizers every time")
