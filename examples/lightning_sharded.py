@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategy", default="elastic_fsdp", help="elastic_fsdp (default) or model_parallel")
     parser.add_argument("--devices", type=int, default=1, help="processes per machine for --strategy model_parallel")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=-1, help="end the fit after this many steps (-1: epochs)")
     parser.add_argument("--samples", type=int, default=384)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--width", type=int, default=64, help="features of each block")
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=args.devices if args.strategy != "elastic_fsdp" else "auto",
         accelerator="cpu",
         max_epochs=args.epochs,
+        max_steps=args.max_steps,
         callbacks=callbacks,
         logger=CSVLogger(args.log_dir, name="sharded"),
         enable_checkpointing=False,

@@ -4,7 +4,7 @@ Worker side. ``import lightning_elastic as le``; ``le.init()``; wrap the trainin
 in ``@le.run`` with a ``le.TorchState``; ``state.commit()`` every few batches.
 
 Lightning users write ``Trainer(strategy="elastic_hvd")`` (or ``"elastic_fsdp"`` for FSDP2 in
-``configure_model``): importing this package registers the names as soon as
+``configure_model``; Fabric the same names, with ``le.FabricState`` / ``le.FabricShardedState``): importing this package registers the names as soon as
 ``lightning.pytorch`` is imported (before or after this package), and
 ``le.ElasticStrategy``, ``le.ElasticFSDPStrategy``, ``le.ElasticCallback`` and
 ``le.ScaleLearningRate`` load the Lightning integration on first use. A plain-PyTorch worker never imports Lightning.
@@ -37,6 +37,7 @@ _EXPORTS = {
     "lightning_elastic.membership.worker": ("ElasticWorker", "SlotInfo"),
     "lightning_elastic.lightning": ("ElasticCallback", "ElasticFSDPStrategy", "ElasticStrategy", "ScaleLearningRate"),
     "lightning_elastic.fabric": ("ElasticFabricStrategy", "FabricState"),
+    "lightning_elastic.fabric_fsdp": ("ElasticFabricFSDPStrategy", "FabricShardedState"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     )
     from lightning_elastic.errors import CollectiveError, ElasticError, HostsUpdatedInterrupt, RendezvousError
     from lightning_elastic.fabric import ElasticFabricStrategy, FabricState
+    from lightning_elastic.fabric_fsdp import ElasticFabricFSDPStrategy, FabricShardedState
     from lightning_elastic.lightning import ElasticCallback, ElasticFSDPStrategy, ElasticStrategy, ScaleLearningRate
     from lightning_elastic.membership.worker import ElasticWorker, SlotInfo
     from lightning_elastic.training.ddp import DistributedDataParallel
@@ -85,6 +87,7 @@ def _register_with(module: ModuleType) -> None:
 
 def _register_with_fabric(_module: ModuleType) -> None:
     importlib.import_module("lightning_elastic.fabric")  # registers "elastic_hvd" on import
+    importlib.import_module("lightning_elastic.fabric_fsdp")  # registers "elastic_fsdp" on import
 
 
 call_after_import("lightning.pytorch", _register_with)
@@ -99,9 +102,11 @@ __all__ = [
     "ElasticStrategy",
     "ScaleLearningRate",
     "ElasticError",
+    "ElasticFabricFSDPStrategy",
     "ElasticFabricStrategy",
     "ElasticSampler",
     "ElasticWorker",
+    "FabricShardedState",
     "FabricState",
     "HostsUpdatedInterrupt",
     "ObjectState",

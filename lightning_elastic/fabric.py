@@ -52,7 +52,60 @@ from lightning_elastic.membership.worker import ElasticWorker
 STRATEGY_NAME = "elastic_hvd"
 
 
-class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
+class FabricWorkerBacked(WorkerBacked):
+    """What both Fabric strategies (``elastic_hvd``, ``elastic_fsdp``) do alike: join the job
+    instead of starting processes, follow the worker's ranks from round to round, and give
+    ``fabric.setup_dataloaders`` the elastic sampler. Mixed in before Lightning's class."""
+
+    world_size: int
+    global_rank: int
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Fabric reads these only for setup_dataloaders(use_distributed_sampler=True) (its
+        # default) and puts a DistributedSampler made with them on the loader, which
+        # process_dataloader then replaces with the elastic sampler. The world size is marked
+        # so that it tells Fabric's sampler from one the user made; a loader set up with
+        # use_distributed_sampler=False keeps its own sampler, whole on every rank, as with ddp.
+        return {"num_replicas": _ElasticShare(self.world_size), "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        self._launcher = None  # the processes exist already: lightning-elastic launch started them
+        self._warn_ignored_settings("Fabric")  # Fabric has set devices and num_nodes by now
+
+    def _join(self) -> None:
+        """Fabric's setup_environment: the worker forms each round's group at its
+        rendezvous; Fabric only reads the ranks."""
+        self.refresh_ranks()
+        if self.worker.elastic:
+            atexit.register(report_end_outside_retry_loop, self.worker)
+
+    def _get_process_group_backend(self) -> str:
+        return self.worker.backend
+
+    def refresh_ranks(self) -> None:
+        """After a reset: rank-zero-only logging follows the new rank."""
+        rank_zero_only.rank = self.global_rank
+
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        sampler = dataloader.sampler
+        if not isinstance(sampler, DistributedSampler):
+            return dataloader  # use_distributed_sampler=False, or an iterable dataset: as given, as with ddp
+        if isinstance(sampler.num_replicas, _ElasticShare) and _replaceable(dataloader):
+            elastic = ElasticSampler(dataloader.dataset, shuffle=sampler.shuffle, seed=sampler.seed,
+                                     worker=self.worker, batch_size=dataloader.batch_size)
+            return _with_sampler(dataloader, _FabricSampler(elastic))
+        warnings.warn(
+            "lightning-elastic: this DataLoader has a custom sampler, batch sampler or class; its samples are "
+            "split among the ranks of the current round only, so they may be repeated or skipped after a reset "
+            "(use a plain DataLoader with batch_size and shuffle for exactly-once epochs, or "
+            "setup_dataloaders(..., use_distributed_sampler=False) for a loader every rank reads whole).",
+            stacklevel=2,
+        )
+        return dataloader
+
+
+class ElasticFabricStrategy(FabricWorkerBacked, DDPStrategy):
     """Fabric's DDP over the elastic worker's process group (NCCL on ``cuda:LOCAL_RANK``, else gloo).
 
     ``snapshot_dir``, ``snapshot_every``, ``snapshot_keep`` and ``resume`` are ``le.init``'s
@@ -92,49 +145,9 @@ class ElasticFabricStrategy(WorkerBacked, DDPStrategy):
         self._bind_worker(worker, collective_timeout, backend, {
             "directory": snapshot_dir, "every": snapshot_every, "keep": snapshot_keep, "resume": resume})
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # Fabric reads these only for setup_dataloaders(use_distributed_sampler=True) (its
-        # default) and puts a DistributedSampler made with them on the loader, which
-        # process_dataloader then replaces with the elastic sampler. The world size is marked
-        # so that it tells Fabric's sampler from one the user made; a loader set up with
-        # use_distributed_sampler=False keeps its own sampler, whole on every rank, as with ddp.
-        return {"num_replicas": _ElasticShare(self.world_size), "rank": self.global_rank}
-
-    def _configure_launcher(self) -> None:
-        self._launcher = None  # the processes exist already: lightning-elastic launch started them
-        self._warn_ignored_settings("Fabric")  # Fabric has set devices and num_nodes by now
-
     def _setup_distributed(self) -> None:
-        # The worker forms each round's group at its rendezvous; Fabric only reads the ranks.
         self._process_group_backend = self.worker.backend
-        self.refresh_ranks()
-        if self.worker.elastic:
-            atexit.register(report_end_outside_retry_loop, self.worker)
-
-    def _get_process_group_backend(self) -> str:
-        return self.worker.backend
-
-    def refresh_ranks(self) -> None:
-        """After a reset: rank-zero-only logging follows the new rank."""
-        rank_zero_only.rank = self.global_rank
-
-    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
-        sampler = dataloader.sampler
-        if not isinstance(sampler, DistributedSampler):
-            return dataloader  # use_distributed_sampler=False, or an iterable dataset: as given, as with ddp
-        if isinstance(sampler.num_replicas, _ElasticShare) and _replaceable(dataloader):
-            elastic = ElasticSampler(dataloader.dataset, shuffle=sampler.shuffle, seed=sampler.seed,
-                                     worker=self.worker, batch_size=dataloader.batch_size)
-            return _with_sampler(dataloader, _FabricSampler(elastic))
-        warnings.warn(
-            "lightning-elastic: this DataLoader has a custom sampler, batch sampler or class; its samples are "
-            "split among the ranks of the current round only, so they may be repeated or skipped after a reset "
-            "(use a plain DataLoader with batch_size and shuffle for exactly-once epochs, or "
-            "setup_dataloaders(..., use_distributed_sampler=False) for a loader every rank reads whole).",
-            stacklevel=2,
-        )
-        return dataloader
+        self._join()
 
 
 def report_end_outside_retry_loop(worker: ElasticWorker) -> None:
@@ -223,10 +236,7 @@ class FabricState(TorchState):
         if not isinstance(strategy, ElasticFabricStrategy):
             raise ValueError(f"FabricState: the Fabric's strategy must be {STRATEGY_NAME!r}, got "
                              f"{type(strategy).__name__}")
-        sampler = _elastic_sampler_of(loader) if loader is not None else None
-        if loader is not None and sampler is None:
-            raise ValueError("FabricState: loader must come from fabric.setup_dataloaders with the "
-                             f"{STRATEGY_NAME!r} strategy and a plain DataLoader (its sampler is not elastic)")
+        sampler = elastic_sampler_of(loader, "FabricState", STRATEGY_NAME)
         extra = {"sampler": sampler} if sampler is not None else {}
         super().__init__(model, optimizer, worker=strategy.worker, **extra, **values)
         object.__setattr__(self, "_fabric", fabric)
@@ -252,32 +262,51 @@ class FabricState(TorchState):
         return self._fabric.setup(*objects)
 
     def _keep_logger_versions(self) -> None:
-        """One logger version (run) per job, as the Trainer integration keeps: a new rank 0
-        would otherwise pick the next version and go on logging in a new folder. Rank 0
-        shares the versions it logs to (a survivor of an earlier round has them from it),
-        and every rank pins them, ready to log should it become rank 0."""
-        loggers = self._fabric.loggers
-        if not loggers:
-            return
-        # The private part (a logger's version is set only at construction) is in compat;
-        # importing it loads lightning.pytorch, paid only by a Fabric with loggers.
-        from lightning_elastic.lightning.compat import set_logger_version  # noqa: PLC0415
-
-        worker = self.worker
-        mine = self._logger_versions
-        if worker.assignment.rank == 0 and mine is None:
-            mine = [logger.version for logger in loggers]
-        versions = broadcast_object(mine, worker, src=0)
+        versions = keep_logger_versions(self._fabric, self.worker, self._logger_versions)
         object.__setattr__(self, "_logger_versions", versions)
-        for logger, version in zip(loggers, versions or ()):
-            set_logger_version(logger, version)
 
     def record_batch(self, batch_idx: int) -> None:
         """Count batch ``batch_idx`` of this pass over the loader as processed by every rank."""
-        sampler = getattr(self, "sampler", None)
-        if sampler is None or sampler.batch_size is None:
-            raise RuntimeError("FabricState.record_batch: no elastic loader was given (loader=...)")
-        sampler.record_batch(batch_idx, sampler.batch_size)
+        record_batch(getattr(self, "sampler", None), batch_idx, type(self).__name__)
+
+
+def keep_logger_versions(fabric: Fabric, worker: ElasticWorker, versions: list[Any] | None) -> list[Any] | None:
+    """One logger version (run) per job, as the Trainer integration keeps: a new rank 0
+    would otherwise pick the next version and go on logging in a new folder. Rank 0
+    shares the versions it logs to (``versions``, which a survivor of an earlier round has
+    from it), and every rank pins them, ready to log should it become rank 0. Returns the
+    versions to keep for the next round."""
+    loggers = fabric.loggers
+    if not loggers:
+        return versions
+    # The private part (a logger's version is set only at construction) is in compat;
+    # importing it loads lightning.pytorch, paid only by a Fabric with loggers.
+    from lightning_elastic.lightning.compat import set_logger_version  # noqa: PLC0415
+
+    if worker.assignment.rank == 0 and versions is None:
+        versions = [logger.version for logger in loggers]
+    versions = broadcast_object(versions, worker, src=0)
+    for logger, version in zip(loggers, versions or ()):
+        set_logger_version(logger, version)
+    return versions
+
+
+def record_batch(sampler: ElasticSampler | None, batch_idx: int, owner: str) -> None:
+    """Count batch ``batch_idx`` of this pass over the state's loader as processed by every rank."""
+    if sampler is None or sampler.batch_size is None:
+        raise RuntimeError(f"{owner}.record_batch: no elastic loader was given (loader=...)")
+    sampler.record_batch(batch_idx, sampler.batch_size)
+
+
+def elastic_sampler_of(loader: Any, owner: str, strategy_name: str) -> ElasticSampler | None:
+    """The elastic sampler of ``loader`` (None without a loader), now owned by a state."""
+    if loader is None:
+        return None
+    sampler = _elastic_sampler_of(loader)
+    if sampler is None:
+        raise ValueError(f"{owner}: loader must come from fabric.setup_dataloaders with the "
+                         f"{strategy_name!r} strategy and a plain DataLoader (its sampler is not elastic)")
+    return sampler
 
 
 def _elastic_sampler_of(loader: Any) -> ElasticSampler | None:

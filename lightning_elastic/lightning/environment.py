@@ -154,3 +154,14 @@ def timeout_seconds(timeout: Any, owner: str) -> float:
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         return float(timeout)
     raise ValueError(f"{owner}: timeout must be a datetime.timedelta, got {timeout!r}")
+
+
+def check_parallel_sizes(owner: str, data_parallel_size: Any, tensor_parallel_size: Any) -> None:
+    """An elastic FSDP2 strategy's sizes: data parallel over every rank of the round, no
+    tensor parallelism (``owner`` names the strategy in the error)."""
+    if tensor_parallel_size not in ("auto", 1):
+        raise ValueError(f"{owner}: tensor_parallel_size={tensor_parallel_size!r}: tensor parallelism is "
+                         "not supported; expected 1 (FSDP2 over every rank of the job)")
+    if data_parallel_size != "auto":
+        raise ValueError(f"{owner}: data_parallel_size={data_parallel_size!r}: the data-parallel size is "
+                         "the job's world size, set by lightning-elastic launch; expected it left out")

@@ -34,16 +34,26 @@ from torch.distributed.device_mesh import init_device_mesh
 import lightning.pytorch as pl
 from lightning_elastic.errors import ElasticError
 from lightning_elastic.lightning import compat
-from lightning_elastic.lightning.commit import COMMIT_MARKER, CommitInfo
-from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked, timeout_seconds
+from lightning_elastic.durable import files
+from lightning_elastic.durable.files import Found
+from lightning_elastic.durable.store import SnapshotInfo
+from lightning_elastic.lightning.commit import COMMIT_MARKER, CommitInfo, resume_checkpoint
+from lightning_elastic.lightning.environment import (
+    ElasticEnvironment,
+    WorkerBacked,
+    check_parallel_sizes,
+    timeout_seconds,
+)
 from lightning_elastic.lightning.pristine import Pristine
 from lightning_elastic.lightning.sampling import ElasticSampling, call_reset_hooks
 from lightning_elastic.lightning.sharded_commit import destinations, load_fit, split_fit
+from lightning_elastic.lightning.sharded_snapshot import check_one_optimizer, fit_tree, read_fit
 from lightning_elastic.membership.process_group import validate_backend, validate_timeout
 from lightning_elastic.membership.worker import ElasticWorker
 from lightning_elastic.sharded.agreement import agree, lost_error
 from lightning_elastic.sharded.commit import ShardedCommit
-from lightning_elastic.sharded.layout import NONE, Layout, Lost, Restore, describe_coverage
+from lightning_elastic.sharded.layout import NONE, Fresh, Layout, Lost, Restore, describe_coverage
+from lightning_elastic.sharded.round_writers import RoundWriters
 from lightning_elastic.training.state import broadcast_object
 
 log = logging.getLogger(__name__)
@@ -51,16 +61,6 @@ log = logging.getLogger(__name__)
 STRATEGY_NAME = "elastic_fsdp"
 # As ModelParallelStrategy names them: configure_model reads self.device_mesh["data_parallel"].
 MESH_DIMS = ("data_parallel", "tensor_parallel")
-
-
-def check_parallel_sizes(data_parallel_size: Any, tensor_parallel_size: Any) -> None:
-    """Data parallel over every rank of the round; no tensor parallelism."""
-    if tensor_parallel_size not in ("auto", 1):
-        raise ValueError(f"ElasticFSDPStrategy: tensor_parallel_size={tensor_parallel_size!r}: tensor parallelism is "
-                         "not supported; expected 1 (FSDP2 over every rank of the job)")
-    if data_parallel_size != "auto":
-        raise ValueError(f"ElasticFSDPStrategy: data_parallel_size={data_parallel_size!r}: the data-parallel size is "
-                         "the job's world size, set by lightning-elastic launch; expected it left out")
 
 
 class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
@@ -85,7 +85,7 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         timeout: timedelta | None = None,
         worker: ElasticWorker | None = None,
     ) -> None:
-        check_parallel_sizes(data_parallel_size, tensor_parallel_size)
+        check_parallel_sizes("ElasticFSDPStrategy", data_parallel_size, tensor_parallel_size)
         # Checked here, so a bad value fails when the Trainer is built, not at the first round.
         seconds = None if timeout is None else validate_timeout(timeout_seconds(timeout, "ElasticFSDPStrategy"))
         backend = None if process_group_backend is None else validate_backend(process_group_backend)
@@ -108,6 +108,8 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         self._weights_in_rows = False  # a commit's dump: the rows carry the weights, not Lightning's state dicts
         self._resumed_world_size: int | None = None  # set when a fit attempt restored a commit
         self._said_coverage: tuple[int, ...] | None = None
+        self._snapshots = RoundWriters()  # durable snapshots of the commits (--snapshot-dir)
+        self._snapshot: Found | None = None  # the durable snapshot this attempt resumes from instead of a commit
 
     # ----- the world ------------------------------------------------------------------
 
@@ -127,9 +129,6 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
 
         self._launcher = ElasticFitLauncher(self)
         self._warn_ignored_settings("Trainer")  # the Trainer has set devices and num_nodes by now
-        if self.worker.snapshot_writer is not None or self.worker.resume_from is not None:
-            raise ElasticError('strategy="elastic_fsdp" does not write durable snapshots yet; expected a launch '
-                               "without --snapshot-dir")
 
     def setup_environment(self) -> None:
         # The worker formed this round's group at rendezvous: only the accelerator's device,
@@ -176,9 +175,10 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         return (self._layout is not None and self._commit.layout == self._layout
                 and self._commit.own_version != NONE)
 
-    def take_commit(self, trainer: pl.Trainer) -> None:
+    def take_commit(self, trainer: pl.Trainer, snapshot: bool = True) -> None:
         """Collective, at a batch end: this rank's rows and the rest into host memory, then the
-        copy for its holder."""
+        copy for its holder; then, with ``--snapshot-dir`` and ``snapshot``, the rows to this
+        round's durable snapshot writer (written in the background when the step is due)."""
         worker = self.worker
         a = worker.assignment
         assert self._layout is not None, "a commit before the round agreed on its layout"
@@ -189,8 +189,17 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         finally:
             self._weights_in_rows = False
         entries, tensors, rest = split_fit(self.lightning_module, trainer.optimizers, checkpoint, info)
-        self._commit.save(entries, tensors, rest, self._layout, a.rank, worker.device)
+        # A snapshot still being written reads the own rows: the commit then takes a new buffer.
+        self._commit.save(entries, tensors, rest, self._layout, a.rank, worker.device,
+                          keep_own=not self._snapshots.writing)
         worker.note_commit()
+        if snapshot and getattr(worker.snapshot_writer, "settings", None) is not None:
+            check_one_optimizer(trainer.optimizers)
+            own, own_rest = self._commit.own, self._commit.own_rest
+            assert own is not None
+            self._snapshots.offer(worker, lambda: fit_tree(own, own_rest),
+                                  SnapshotInfo(round=a.round, step=trainer.global_step, epoch=trainer.current_epoch,
+                                               world_size=a.size, sampler=_sampler_state(info), kind=files.SHARDED))
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {} if self._weights_in_rows else super().lightning_module_state_dict()
@@ -207,7 +216,7 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         return int(tensor.item())
 
     def resume_from_snapshot(self) -> None:
-        pass  # refused when the launcher is built (_configure_launcher)
+        pass  # agree_on_restore looks for the snapshot: the round decides between it and a commit
 
     def forget_commit(self) -> None:
         """Drop the commit and its buffers (a later fit of this trainer starts from its own state)."""
@@ -219,11 +228,10 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         worker = self.worker
         a = worker.assignment
         agreed = agree(self._commit, a, worker.device, worker.wait_collective)
-        if isinstance(agreed.choice, Lost):
-            raise lost_error(agreed.choice)
         self._layout = agreed.layout
         self._choice = agreed.choice if isinstance(agreed.choice, Restore) else None
-        self._restoring = self._choice is not None
+        self._snapshot = self._snapshot_to_resume(agreed.choice)
+        self._restoring = self._choice is not None or self._snapshot is not None
         self._say_coverage(agreed.hosts)
         # The loggers keep the run of the member whose state is resumed (one run per job).
         source = self._choice.replicated_from if self._choice is not None else 0
@@ -232,9 +240,33 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
             compat.set_logger_version(logger, version)
         return self._choice is not None
 
+    def _snapshot_to_resume(self, choice: Restore | Fresh | Lost) -> Found | None:
+        """Collective: the durable snapshot every rank resumes from (rank 0 looks): the one the
+        job resumes from at its start, or the newest when no whole commit is left in memory."""
+        worker = self.worker
+        if isinstance(choice, Restore):
+            return None
+        settings = getattr(worker.snapshot_writer, "settings", None)
+        if isinstance(choice, Lost):
+            locate: Any = (lambda: files.newest_valid(settings.directory, log.warning)) if settings is not None else None
+        else:
+            plan = worker.resume_from  # the job's first fit attempt only: cleared once training started
+            locate = plan.locate if plan is not None else None
+        found = locate() if locate is not None and worker.assignment.rank == 0 else None
+        found = broadcast_object(found, worker, src=0) if locate is not None else None
+        if isinstance(choice, Lost):
+            if found is None:
+                raise lost_error(choice, "no valid snapshot in --snapshot-dir" if settings is not None else None)
+            if worker.assignment.rank == 0:
+                log.warning("Sharded state lost from memory: %s; resuming from snapshot %s (step %d).", choice.reason,
+                            files.base_name(found.path), found.manifest.step)
+        return found
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if checkpoint_path != COMMIT_MARKER:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._snapshot is not None:
+            return self._load_snapshot(self._snapshot)
         choice = self._choice
         assert choice is not None, "the commit marker without an agreed commit"
         worker = self.worker
@@ -249,6 +281,19 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
                  a.rank, choice.version, info.global_step, info.world_size, a.size, received / 1e6)
         return load_fit(module, optimizers, rest, a.size)
 
+    def _load_snapshot(self, found: Found) -> dict[str, Any]:
+        """Every rank: its rows of the durable snapshot ``found`` (written at any world size)
+        into the rebuilt module and optimizer; the checkpoint dict for Lightning, as for a commit."""
+        a = self.worker.assignment
+        check_one_optimizer(self.optimizers)
+        checkpoint, info = read_fit(found, self.lightning_module, self.optimizers[0])
+        self._resumed_world_size = info.world_size
+        self._pending_sampler = info.sampler
+        if a.rank == 0:
+            log.info("Resumed from snapshot %s: step %d, written at world size %d (now %d).",
+                     files.base_name(found.path), found.manifest.step, found.manifest.world_size, a.size)
+        return resume_checkpoint(checkpoint, info, a.size)
+
     def _say_coverage(self, hosts: tuple[str, ...]) -> None:
         assert self._layout is not None
         said = (len(hosts), len(set(hosts)), self._layout.shift)
@@ -261,13 +306,22 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
+        self.worker.resume_from = None  # every rank holds the resumed state now
+        self._snapshot = None
+        self._snapshots.round_started(self.worker.assignment.round, trainer.global_step)
         resumed_from, self._resumed_world_size = self._resumed_world_size, None
         if resumed_from is not None:
             call_reset_hooks(trainer, resumed_from, self.worker.assignment.size)
         if not self.has_commit:
             # The first commit of every round (its layout is new): a failure before the first
-            # regular commit must have something to go back to.
-            self.take_commit(trainer)
+            # regular commit must have something to go back to. Not a new step: not written.
+            self.take_commit(trainer, snapshot=False)
+
+
+def _sampler_state(info: CommitInfo) -> dict[str, int] | None:
+    """The sampler position as a manifest records it (an ``ElasticSampler``'s state dict)."""
+    position = info.sampler
+    return None if position is None else {"epoch": position.epoch, "consumed": position.consumed}
 
 
 def register() -> None:

@@ -37,6 +37,7 @@ def agree(commit: ShardedCommit, assignment: p.Assignment, device: torch.device,
     return Agreement(hosts, layout, choose_commit([holding for _, holding in gathered]))
 
 
-def lost_error(lost: Lost) -> ElasticError:
-    # elastic_fsdp does not resume from a sharded snapshot yet (le.ShardedState does): the end, in one line.
-    return ElasticError(f"sharded state lost from memory: {lost.reason}; no --snapshot-dir to resume from")
+def lost_error(lost: Lost, where: str | None = None) -> ElasticError:
+    """The end, in one line: no whole commit in memory, and ``where`` (default: no
+    ``--snapshot-dir``) no durable snapshot to resume from."""
+    return ElasticError(f"sharded state lost from memory: {lost.reason}; {where or 'no --snapshot-dir'} to resume from")

@@ -1,16 +1,19 @@
-"""``Trainer(strategy="elastic_fsdp")`` end to end: real launches of a ``configure_model`` +
-``fully_shard`` LightningModule (examples/lightning_sharded.py).
+"""``strategy="elastic_fsdp"`` end to end: real launches of a ``configure_model`` +
+``fully_shard`` LightningModule (examples/lightning_sharded.py), and of a Fabric loop with a
+``parallelize_fn`` (examples/fabric_sharded.py).
 
-The example logs every training step's sample indices before the optimizer step, and a
-digest of the whole model and optimizer state (gathered from the shards) after every
-commit and at every fit attempt's start. A step lost to a failure is redone, and logged
-again, in a later round; the committed history is the newest round's record of each step.
+The examples log every training step's sample indices, and a digest of the whole model and
+optimizer state (gathered from the shards) after every commit and at every (re)start of
+training. A step lost to a failure is redone, and logged again, in a later round; the
+committed history is the newest round's record of each step.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +23,7 @@ from tests.integration.harness import REPO, Job, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 EXAMPLE = REPO / "examples" / "lightning_sharded.py"
+FABRIC_EXAMPLE = REPO / "examples" / "fabric_sharded.py"
 SAMPLES, BATCH, EPOCHS, LR, GAMMA, COMMIT_EVERY = 384, 4, 2, 1e-3, 0.5, 4
 HOSTS = "127.0.0.1:2,127.0.0.2:2"  # ranks 0, 1 on the first host; each rank's copy on the other
 
@@ -31,28 +35,39 @@ def start(job: Job, launch_args: list[str], *extra: str) -> None:
     job.start(launch_args, command=command)
 
 
-def committed_history(job: Job) -> dict[int, list[dict[str, Any]]]:
+def committed_history(steps: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     """For each global step, the records (one per rank) of the newest round that ran it."""
     by_step: dict[int, dict[int, list[dict[str, Any]]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for e in job.events("step"):
+    for e in steps:
         by_step[e["step"]][e["round"]].append(e)
     return {step: rounds[max(rounds)] for step, rounds in sorted(by_step.items())}
 
 
-def assert_exactly_once(job: Job) -> dict[int, list[dict[str, Any]]]:
-    history = committed_history(job)
+def assert_exactly_once(job: Job, samples: int = SAMPLES, epochs: int = EPOCHS,
+                        steps: list[dict[str, Any]] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Every sample once per epoch in the committed history of ``steps`` (default: the job's)."""
+    history = committed_history(job.events("step") if steps is None else steps)
     assert list(history) == list(range(1, len(history) + 1)), f"steps missing: {sorted(history)}"
     per_epoch: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     for step, records in history.items():
         assert len(records) == records[0]["size"], f"step {step}: {len(records)} ranks logged, world {records[0]['size']}"
         for r in records:
             per_epoch[r["epoch"]].update(r["indices"])
-    assert sorted(per_epoch) == list(range(EPOCHS))
+    assert sorted(per_epoch) == list(range(epochs))
     for epoch, counts in per_epoch.items():
         repeated = {i: c for i, c in counts.items() if c != 1}
-        missing = set(range(SAMPLES)) - set(counts)
+        missing = set(range(samples)) - set(counts)
         assert not repeated and not missing, f"epoch {epoch}: repeated {repeated}, missing {sorted(missing)[:20]}"
     return history
+
+
+def newest_snapshot_step(directory: Path) -> int:
+    """The step of the newest published sharded snapshot in ``directory`` (by its manifest)."""
+    published = [json.loads(p.read_text()) for p in directory.glob("snapshot-*-step-*.json")]
+    assert published, sorted(p.name for p in directory.iterdir()) if directory.exists() else "no snapshot directory"
+    newest = max(published, key=lambda m: m["sequence"])
+    assert newest["kind"] == "sharded" and (directory / newest["data"] / ".metadata").is_file(), newest
+    return int(newest["step"])
 
 
 def test_a_worker_killed_mid_epoch_the_survivors_reshard_the_commit_and_finish_in_the_same_processes(job: Job) -> None:
@@ -119,3 +134,68 @@ def test_a_host_added_then_removed_reshards_the_live_state_without_rollback(job:
     resets = collections.Counter((e["round"], e["old"], e["new"]) for e in job.events("reset"))
     assert resets == {(2, 2, 4): 4, (3, 4, 2): 2}, resets
     assert all(d["lr"] == pytest.approx(LR * GAMMA**EPOCHS) for d in done)  # x 4/2, then x 2/4
+
+
+def test_snapshots_written_at_two_ranks_resume_a_new_launch_at_three_where_the_steps_left_off(job: Job) -> None:
+    # The first launch ends mid-epoch (max_steps), past its last commit; the second, at
+    # another world size, resumes from the newest durable snapshot written in the background.
+    samples, snapshots = 192, job.dir / "snapshots"
+    common = ["--snapshot-dir", str(snapshots), "--snapshot-every", "0.01", "--snapshot-keep", "20"]
+    start(job, ["-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", *common], "--samples", str(samples), "--max-steps", "14")
+    assert job.wait(120) == 0, job.stderr()[-3000:]
+    first = {e["pid"] for e in job.events("start")}
+    commits = {e["step"]: e["digest"] for e in job.events("commit")}
+    resumed_at = newest_snapshot_step(snapshots)
+    assert resumed_at in commits and resumed_at <= 14, (resumed_at, sorted(commits))
+
+    again = Job(job.dir)
+    again.stdout_path, again.stderr_path = job.dir / "again.out", job.dir / "again.err"
+    start(again, ["-np", "3", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1", *common], "--samples", str(samples))
+    assert again.wait(120) == 0, again.stderr()[-3000:]
+    assert f"step {resumed_at}, written at world size 2 (now 3)" in again.stdout(), again.stdout()[-3000:]
+    synced = [e for e in again.events("synced") if e["pid"] not in first]
+    assert {(e["size"], e["step"], e["digest"]) for e in synced} == {(3, resumed_at, commits[resumed_at])}
+    assert {tuple(e["optimizer_steps"]) for e in synced} == {(float(resumed_at),)}
+    # The steps go on from the snapshot's: the first launch's up to it, then the second's.
+    steps = [e for e in again.events("step") if (e["pid"] in first) == (e["step"] <= resumed_at)]
+    assert min(e["step"] for e in steps if e["pid"] not in first) == resumed_at + 1
+    history = assert_exactly_once(again, samples=samples, steps=steps)
+    done = again.events("done")
+    assert {(d["size"], d["step"]) for d in done} == {(3, len(history))}
+    assert all(d["optimizer_steps"] == [float(len(history))] for d in done), done
+
+
+def test_fabric_a_rank_killed_mid_epoch_the_survivors_reshard_the_commit_in_the_same_processes(job: Job) -> None:
+    # Four hosts of one rank: each rank's copy on another host. Rank 1 kills itself after
+    # step 10; the last commit is step 8's. Snapshots are written in the background meanwhile.
+    samples, snapshots = 384, job.dir / "snapshots"
+    command = [sys.executable, str(FABRIC_EXAMPLE), "--events", str(job.events_dir), "--samples", str(samples),
+               "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--commit-every", str(COMMIT_EVERY), "--digests",
+               "--sigkill-at-step", "10", "--sigkill-rank", "1"]
+    hosts = ",".join(f"127.0.0.{i}:1" for i in range(1, 5))
+    job.start(["-np", "4", "--min-np", "2", "-H", hosts, "--snapshot-dir", str(snapshots), "--snapshot-every", "0.01",
+               "--snapshot-keep", "3"], command=command)
+    assert job.wait(120) == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [4, 3]
+    killed = job.events("sigkill")
+    assert [(e["rank"], e["step"]) for e in killed] == [(1, 10)]
+    survivors = {e["pid"] for e in job.events("start")} - {killed[0]["pid"]}
+    done = job.events("done")
+    assert {e["pid"] for e in done} == survivors  # the same processes, none restarted
+
+    # The new world restored the newest commit, bit for bit, into the model rebuilt on its mesh.
+    commits = {e["step"]: e["digest"] for e in job.events("commit") if e["round"] == 1}
+    assert sorted(commits) == [4, 8], commits
+    synced = [e for e in job.events("synced") if e["round"] == 2]
+    assert {e["pid"] for e in synced} == survivors
+    assert {(e["step"], e["digest"]) for e in synced} == {(8, commits[8])}
+    assert {tuple(e["optimizer_steps"]) for e in synced} == {(8.0,)}
+    resets = job.events("reset")
+    assert {e["pid"] for e in resets} == survivors and {e["round"] for e in resets} == {2}
+
+    # Every sample once per epoch in the committed history; every rank ends on the same state.
+    history = assert_exactly_once(job, samples=samples)
+    assert {(d["size"], d["step"]) for d in done} == {(3, len(history))}
+    assert all(d["optimizer_steps"] == [float(len(history))] for d in done), done
+    assert len({d["digest"] for d in done}) == 1
+    assert newest_snapshot_step(snapshots) > 0  # the state's commits written as DCP snapshots
