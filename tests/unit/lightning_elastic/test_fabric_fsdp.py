@@ -45,9 +45,11 @@ def test_invalid_options_are_one_line_errors_when_the_strategy_is_built(kwargs, 
 
 
 def test_the_name_is_registered_with_fabric():
+    import importlib
+
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    import lightning_elastic  # noqa: F401  (registers the Fabric names once lightning.fabric is imported)
+    importlib.import_module("lightning_elastic")  # registers the Fabric names once lightning.fabric is imported
 
     assert STRATEGY_REGISTRY["elastic_fsdp"]["strategy"] is ElasticFabricFSDPStrategy
 

@@ -142,3 +142,88 @@ def test_a_fit_with_two_optimizers_comes_back_whole_in_a_rebuilt_module():
     assert keys == ["epoch", "lr_schedulers"]  # Lightning's state dicts are the rows instead
     assert mismatch == ("sharded state: the commit has 2 optimizer(s), the rebuilt fit 1; expected "
                         "configure_optimizers to return the same optimizers every time")
+
+
+# ----- a fit's durable snapshot: written at 2 ranks, read back at 1 ---------------------
+
+
+def _one_optimizer(meta: bool) -> tuple[Two, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        module = Two()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    fully_shard(module.a, mesh=mesh)
+    fully_shard(module.b, mesh=mesh)
+    if meta:
+        module.to_empty(device="cpu")
+    return module, torch.optim.AdamW(module.parameters(), lr=0.1)
+
+
+def _digest(module: Two, optimizer: torch.optim.Optimizer) -> list[Any]:
+    def full(t: Any) -> Any:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+
+    out: list[Any] = [full(t) for t in (*module.parameters(), *module.buffers())]
+    for param in module.parameters():
+        out += [(k, full(v)) for k, v in sorted(optimizer.state[param].items())]
+    return [*out, [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]]
+
+
+def write_fit_snapshot(directory: str, rank: int, worker: object) -> list[Any]:
+    from lightning_elastic.durable.files import SHARDED, SnapshotSettings
+    from lightning_elastic.durable.store import SnapshotInfo
+    from lightning_elastic.lightning import compat
+    from lightning_elastic.lightning.commit import CommitInfo, SamplerPosition
+    from lightning_elastic.lightning.sharded_commit import split_fit
+    from lightning_elastic.lightning.sharded_snapshot import fit_tree
+    from lightning_elastic.sharded.commit import ShardedCommit
+    from lightning_elastic.sharded.layout import Layout
+    from lightning_elastic.sharded.snapshots import ShardedSnapshotWriter, SnapshotPlan
+
+    module, optimizer = _one_optimizer(meta=False)
+    module.scale.fill_(3.0)
+    for _ in range(2):
+        module(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for group in optimizer.param_groups:
+        group["lr"] = 0.05  # a scheduler's doing: saved with the groups
+    checkpoint = {"state_dict": "weights", "optimizer_states": "moments", "epoch": 0, "loops": {"done": 2}}
+    info = CommitInfo(2, 2, SamplerPosition(0, 8, 20, 2), compat.collect_rng_states())
+    entries, tensors, rest = split_fit(module, [optimizer], checkpoint, info)
+    commit = ShardedCommit()
+    commit.save(entries, tensors, rest, Layout(1, 2, 0), rank, torch.device("cpu"))
+    writer = ShardedSnapshotWriter(SnapshotSettings(directory), rank, 2, SnapshotPlan("abcd1234", 1), "job-1")
+    assert commit.own is not None
+    assert writer.offer(fit_tree(commit.own, commit.own_rest),
+                        SnapshotInfo(round=1, step=2, epoch=0, world_size=2, sampler=None, kind=SHARDED))
+    writer.close(30)
+    return _digest(module, optimizer)
+
+
+def read_fit_snapshot(directory: str, rank: int, worker: object) -> Any:
+    from lightning_elastic.durable import files
+    from lightning_elastic.lightning.sharded_snapshot import read_fit
+
+    module, optimizer = _one_optimizer(meta=True)
+    found = files.newest_valid(directory, print)
+    assert found is not None, "no snapshot published"
+    checkpoint, info = read_fit(found, module, optimizer)
+    return _digest(module, optimizer), checkpoint, (info.world_size, info.global_step, info.sampler)
+
+
+def test_a_fits_snapshot_written_at_two_ranks_is_read_back_whole_at_one(tmp_path):
+    import functools
+
+    from lightning_elastic.lightning.commit import SamplerPosition
+
+    written = run_ranks(2, functools.partial(write_fit_snapshot, str(tmp_path)), timeout=60)
+    assert all(_equal(a, b) for a, b in zip(written[0], written[1], strict=True))
+    (read,) = run_ranks(1, functools.partial(read_fit_snapshot, str(tmp_path)), timeout=60)
+    digest, checkpoint, info = read
+    assert all(_equal(a, b) for a, b in zip(written[0], digest, strict=True)), "the state read differs"
+    assert checkpoint == {"epoch": 0, "loops": {"done": 2}}  # Lightning's state dicts are the rows instead
+    assert info == (2, 2, SamplerPosition(0, 8, 20, 2))
