@@ -224,7 +224,7 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         self._layout = self._choice = None
 
     def agree_on_restore(self, trainer: pl.Trainer) -> bool:
-        """Collective, before every fit attempt: this round's layout and the commit to restore."""
+        """Collective, before every fit attempt: this round's layout and the commit (or durable snapshot) to restore."""
         worker = self.worker
         a = worker.assignment
         agreed = agree(self._commit, a, worker.device, worker.wait_collective)
@@ -238,7 +238,7 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         versions = [logger.version for logger in trainer.loggers] if a.rank == source else []
         for logger, version in zip(trainer.loggers, broadcast_object(versions, worker, src=source)):
             compat.set_logger_version(logger, version)
-        return self._choice is not None
+        return self._restoring
 
     def _snapshot_to_resume(self, choice: Restore | Fresh | Lost) -> Found | None:
         """Collective: the durable snapshot every rank resumes from (rank 0 looks): the one the

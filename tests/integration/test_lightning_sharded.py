@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,17 +137,26 @@ def test_a_host_added_then_removed_reshards_the_live_state_without_rollback(job:
     assert all(d["lr"] == pytest.approx(LR * GAMMA**EPOCHS) for d in done)  # x 4/2, then x 2/4
 
 
-def test_snapshots_written_at_two_ranks_resume_a_new_launch_at_three_where_the_steps_left_off(job: Job) -> None:
-    # The first launch ends mid-epoch (max_steps), past its last commit; the second, at
-    # another world size, resumes from the newest durable snapshot written in the background.
+@pytest.mark.timeout(240)
+def test_a_rank_lost_with_its_copy_resumes_from_a_snapshot_and_a_new_launch_at_another_size_goes_on(job: Job) -> None:
+    # Two hosts of two: ranks 0 and 2 hold each other's copies and die together after step
+    # 10; the survivors resume from the newest snapshot in the same processes and end at
+    # max_steps, mid-epoch. A new launch at 3 resumes from the newest snapshot the 2 wrote.
     samples, snapshots = 192, job.dir / "snapshots"
     common = ["--snapshot-dir", str(snapshots), "--snapshot-every", "0.01", "--snapshot-keep", "20"]
-    start(job, ["-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", *common], "--samples", str(samples), "--max-steps", "14")
+    start(job, ["-np", "4", "--min-np", "2", "-H", HOSTS, *common], "--samples", str(samples), "--max-steps", "16",
+          "--sigkill-at-step", "10", "--sigkill-rank", "0", "--sigkill-rank", "2")
     assert job.wait(120) == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [4, 2]
+    lost = [line for line in job.stdout().splitlines() if "Sharded state lost from memory" in line]
+    assert len(lost) == 1 and "rank(s) 0, 2" in lost[0] and "resuming from snapshot" in lost[0], job.stdout()[-3000:]
+    lost_at = int(re.search(r"\(step (\d+)\)", lost[0]).group(1))
+    commits = {(e["round"], e["step"]): e["digest"] for e in job.events("commit")}
+    synced = [e for e in job.events("synced") if e["round"] == 2]
+    assert {(e["size"], e["step"], e["digest"]) for e in synced} == {(2, lost_at, commits[1, lost_at])}
     first = {e["pid"] for e in job.events("start")}
-    commits = {e["step"]: e["digest"] for e in job.events("commit")}
     resumed_at = newest_snapshot_step(snapshots)
-    assert resumed_at in commits and resumed_at <= 14, (resumed_at, sorted(commits))
+    assert (2, resumed_at) in commits and lost_at < resumed_at <= 16, (resumed_at, sorted(commits))
 
     again = Job(job.dir)
     again.stdout_path, again.stderr_path = job.dir / "again.out", job.dir / "again.err"
@@ -154,13 +164,13 @@ def test_snapshots_written_at_two_ranks_resume_a_new_launch_at_three_where_the_s
     assert again.wait(120) == 0, again.stderr()[-3000:]
     assert f"step {resumed_at}, written at world size 2 (now 3)" in again.stdout(), again.stdout()[-3000:]
     synced = [e for e in again.events("synced") if e["pid"] not in first]
-    assert {(e["size"], e["step"], e["digest"]) for e in synced} == {(3, resumed_at, commits[resumed_at])}
+    assert {(e["size"], e["step"], e["digest"]) for e in synced} == {(3, resumed_at, commits[2, resumed_at])}
     assert {tuple(e["optimizer_steps"]) for e in synced} == {(float(resumed_at),)}
     # The steps go on from the snapshot's: the first launch's up to it, then the second's.
     steps = [e for e in again.events("step") if (e["pid"] in first) == (e["step"] <= resumed_at)]
     assert min(e["step"] for e in steps if e["pid"] not in first) == resumed_at + 1
     history = assert_exactly_once(again, samples=samples, steps=steps)
-    done = again.events("done")
+    done = [d for d in again.events("done") if d["pid"] not in first]
     assert {(d["size"], d["step"]) for d in done} == {(3, len(history))}
     assert all(d["optimizer_steps"] == [float(len(history))] for d in done), done
 
