@@ -48,7 +48,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--digests", action="store_true",
                         help="after every commit and sync, log a digest of the whole state (gathers it: tests only)")
     faults = parser.add_argument_group("fault injection")
-    faults.add_argument("--sigkill-at-step", type=int, default=-1, help="--sigkill-rank sends itself SIGKILL after this step")
+    faults.add_argument("--sigkill-at-step", type=int, default=-1,
+                        help="--sigkill-rank sends itself SIGKILL after this step")
     faults.add_argument("--sigkill-rank", type=int, default=-1, help="the rank that dies (in the first round)")
     return parser.parse_args()
 

@@ -20,6 +20,7 @@ the loops, callbacks and schedulers from the commit's rest, as for ``elastic_hvd
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -247,8 +248,10 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         if isinstance(choice, Restore):
             return None
         settings = getattr(worker.snapshot_writer, "settings", None)
+        locate: Any = None
         if isinstance(choice, Lost):
-            locate: Any = (lambda: files.newest_valid(settings.directory, log.warning)) if settings is not None else None
+            if settings is not None:
+                locate = functools.partial(files.newest_valid, settings.directory, log.warning)
         else:
             plan = worker.resume_from  # the job's first fit attempt only: cleared once training started
             locate = plan.locate if plan is not None else None
