@@ -16,6 +16,12 @@ the user's ``configure_model`` shards them on the new mesh, ``configure_optimize
 new optimizers, and ``load_checkpoint`` moves the commit's rows straight into the new local
 shards (point to point: the whole model never exists on one rank). Lightning then restores
 the loops, callbacks and schedulers from the commit's rest, as for ``elastic_hvd``.
+
+With ``--snapshot-dir`` every rank also offers each commit's rows to the round's durable
+sharded snapshot writer (``sharded_snapshot``: the ``le.ShardedState`` format, written in the
+background). A fit attempt with no whole commit to restore reads a snapshot instead, at any
+world size: the one the job resumes from at its start, or the newest when a rank was lost
+together with the holder of its copy.
 """
 
 from __future__ import annotations
@@ -225,7 +231,8 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         self._layout = self._choice = None
 
     def agree_on_restore(self, trainer: pl.Trainer) -> bool:
-        """Collective, before every fit attempt: this round's layout and the commit (or durable snapshot) to restore."""
+        """Collective, before every fit attempt: this round's layout and what it restores (the
+        newest whole commit, else a durable snapshot, else nothing: a fresh start)."""
         worker = self.worker
         a = worker.assignment
         agreed = agree(self._commit, a, worker.device, worker.wait_collective)
