@@ -175,16 +175,16 @@ def test_a_rank_lost_with_its_copy_resumes_from_a_snapshot_and_a_new_launch_at_a
     assert all(d["optimizer_steps"] == [float(len(history))] for d in done), done
 
 
-def test_fabric_a_rank_killed_mid_epoch_the_survivors_reshard_the_commit_in_the_same_processes(job: Job) -> None:
+def test_fabric_a_killed_rank_is_resharded_in_process_and_a_new_launch_resumes_from_a_snapshot(job: Job) -> None:
     # Four hosts of one rank: each rank's copy on another host. Rank 1 kills itself after
     # step 10; the last commit is step 8's. Snapshots are written in the background meanwhile.
     samples, snapshots = 384, job.dir / "snapshots"
     command = [sys.executable, str(FABRIC_EXAMPLE), "--events", str(job.events_dir), "--samples", str(samples),
-               "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--commit-every", str(COMMIT_EVERY), "--digests",
-               "--sigkill-at-step", "10", "--sigkill-rank", "1"]
+               "--batch-size", str(BATCH), "--commit-every", str(COMMIT_EVERY), "--digests"]
     hosts = ",".join(f"127.0.0.{i}:1" for i in range(1, 5))
-    job.start(["-np", "4", "--min-np", "2", "-H", hosts, "--snapshot-dir", str(snapshots), "--snapshot-every", "0.01",
-               "--snapshot-keep", "3"], command=command)
+    snapshot_args = ["--snapshot-dir", str(snapshots), "--snapshot-every", "0.01", "--snapshot-keep", "3"]
+    job.start(["-np", "4", "--min-np", "2", "-H", hosts, *snapshot_args],
+              command=[*command, "--epochs", str(EPOCHS), "--sigkill-at-step", "10", "--sigkill-rank", "1"])
     assert job.wait(120) == 0, job.stderr()[-3000:]
     assert job.world_sizes() == [4, 3]
     killed = job.events("sigkill")
@@ -208,4 +208,21 @@ def test_fabric_a_rank_killed_mid_epoch_the_survivors_reshard_the_commit_in_the_
     assert {(d["size"], d["step"]) for d in done} == {(3, len(history))}
     assert all(d["optimizer_steps"] == [float(len(history))] for d in done), done
     assert len({d["digest"] for d in done}) == 1
-    assert newest_snapshot_step(snapshots) > 0  # the state's commits written as DCP snapshots
+
+    # The state's commits were written as DCP snapshots: a new launch at 2 resumes from the
+    # newest (the end of the last epoch, unless that one was still being written) and trains
+    # one epoch more.
+    last, resumed_at = len(history), newest_snapshot_step(snapshots)
+    digests = {**{e["step"]: e["digest"] for e in job.events("commit") if e["round"] == 2}, last: done[0]["digest"]}
+    assert resumed_at in digests, (resumed_at, sorted(digests))
+    first = {e["pid"] for e in job.events("start")}
+    again = Job(job.dir)
+    again.stdout_path, again.stderr_path = job.dir / "again.out", job.dir / "again.err"
+    again.start(["-np", "2", "-H", hosts, *snapshot_args], command=[*command, "--epochs", str(EPOCHS + 1)])
+    assert again.wait(120) == 0, again.stderr()[-3000:]
+    synced = [e for e in again.events("synced") if e["pid"] not in first]
+    assert {(e["size"], e["step"], e["digest"]) for e in synced} == {(2, resumed_at, digests[resumed_at])}
+    assert min(e["step"] for e in again.events("step") if e["pid"] not in first) == resumed_at + 1
+    ends = [e for e in again.events("epoch_end") if e["pid"] not in first]
+    assert {e["epoch"] for e in ends} == ({EPOCHS} if resumed_at == last else {EPOCHS - 1, EPOCHS}), ends
+    assert all(e["complete"] for e in ends), ends
