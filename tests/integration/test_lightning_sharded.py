@@ -160,7 +160,9 @@ def test_a_rank_lost_with_its_copy_resumes_from_a_snapshot_and_a_new_launch_at_a
 
     again = Job(job.dir)
     again.stdout_path, again.stderr_path = job.dir / "again.out", job.dir / "again.err"
-    start(again, ["-np", "3", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1", *common], "--samples", str(samples))
+    # Without the first launch's --max-steps and kills: another command, resumed on purpose.
+    start(again, ["-np", "3", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1", *common, "--resume-other-command"],
+          "--samples", str(samples))
     assert again.wait(120) == 0, again.stderr()[-3000:]
     assert f"step {resumed_at}, written at world size 2 (now 3)" in again.stdout(), again.stdout()[-3000:]
     synced = [e for e in again.events("synced") if e["pid"] not in first]
@@ -218,7 +220,8 @@ def test_fabric_a_killed_rank_is_resharded_in_process_and_a_new_launch_resumes_f
     first = {e["pid"] for e in job.events("start")}
     again = Job(job.dir)
     again.stdout_path, again.stderr_path = job.dir / "again.out", job.dir / "again.err"
-    again.start(["-np", "2", "-H", hosts, *snapshot_args], command=[*command, "--epochs", str(EPOCHS + 1)])
+    again.start(["-np", "2", "-H", hosts, *snapshot_args, "--resume-other-command"],  # one epoch more, no kill
+                command=[*command, "--epochs", str(EPOCHS + 1)])
     assert again.wait(120) == 0, again.stderr()[-3000:]
     synced = [e for e in again.events("synced") if e["pid"] not in first]
     assert {(e["size"], e["step"], e["digest"]) for e in synced} == {(2, resumed_at, digests[resumed_at])}
