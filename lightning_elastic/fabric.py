@@ -21,6 +21,9 @@ here:
 - A script without ``@le.run`` gets its end reported at exit (``report_end_outside_retry_loop``),
   and Fabric's loggers keep one version per job (``FabricState.setup``).
 
+``FabricWorkerBacked`` is what this strategy shares with its FSDP2 sibling,
+``Fabric(strategy="elastic_fsdp")`` (``lightning_elastic.fabric_fsdp``).
+
 Only public Fabric APIs are used, except pinning a logger's version, which goes through
 ``lightning_elastic.lightning.compat`` and is imported only by a Fabric with loggers;
 importing this module imports ``lightning.fabric``, not ``lightning.pytorch``.
