@@ -4,7 +4,8 @@ A sharded model exists only as its ranks' rows: no rank can hand the whole state
 others, as rank 0 does for a ``TorchState``. So a commit keeps, on every rank, its own rows
 (``rows.RankRows``, one host buffer) plus a copy of one other rank's rows, sent point to
 point as part of the commit (``layout``: the copy lives on another host when there is
-one). The rest of the state (plain values, buffers, the optimizer's step counts and
+one), in two phases so that a rank lost inside a commit leaves the one before whole
+(``commit``: three host buffers per rank). The rest of the state (plain values, buffers, the optimizer's step counts and
 hyperparameters, schedulers, samplers) is the same on every rank and committed by each.
 
 The model is built by the runtime, on every new process group, from the user's own FSDP2
@@ -125,7 +126,9 @@ class ShardedState(State):
 
     @property
     def committed_bytes(self) -> int:
-        """Host bytes of this rank's commit: its own rows plus the copy it holds."""
+        """Host bytes of this rank's commits: its own rows, the copy it holds for a peer and the
+        buffer the next copy arrives in (plus, until the first commit after a reset settles,
+        the restored commit's)."""
         return self._commit.nbytes
 
     # ----- commit --------------------------------------------------------------------------
