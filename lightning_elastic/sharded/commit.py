@@ -119,7 +119,7 @@ class ShardedCommit:
             return None
         covered = layout.covered(rank)
         spare = self.spare
-        if spare is None or spare.rows.rank != covered or spare.rows.entries != entries:
+        if spare is None or spare.layout != layout or spare.rows.rank != covered or spare.rows.entries != entries:
             spare = self.spare = Buffer(RankRows(entries, covered, layout.world, pinned=self.pinned), layout)
         spare.version = NONE  # torn until its last byte is in
         return spare.rows
