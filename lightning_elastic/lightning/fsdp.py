@@ -8,9 +8,8 @@ built anew on every round. Tensor parallelism is refused.
 
 A commit is ``sharded.commit.ShardedCommit``'s: each rank's rows of the model and optimizer
 state in host memory, copied to a peer on another host (``sharded_commit``), in two phases
-that a rank lost inside the commit cannot tear. Each fit
-attempt (``ElasticFitLauncher``) starts with the round agreeing on the newest commit still
-whole among its members. An attempt after a reset rebuilds the sharded submodules first:
+that a rank lost inside the commit cannot tear. Each fit attempt (``ElasticFitLauncher``)
+starts with the round agreeing on the newest commit still whole among its members. An attempt after a reset rebuilds the sharded submodules first:
 FSDP2 cannot move a module to another mesh, so the LightningModule gets fresh meta-device
 copies of its submodules as they were before the first ``configure_model`` (``pristine``),
 the user's ``configure_model`` shards them on the new mesh, ``configure_optimizers`` builds
