@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_elastic as le
+from lightning_elastic.sharded import faults as commit_faults  # test-only fault injection
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,7 +55,14 @@ def parse_args() -> argparse.Namespace:
     faults.add_argument("--sigkill-rank", type=int, action="append", default=[],
                         help="with --sigkill-at-step: the ranks that die then instead (repeatable)")
     faults.add_argument("--sigkill-in-round", type=int, default=1, help="the round in which they die")
-    return parser.parse_args()
+    faults.add_argument("--sigkill-in-commit", choices=commit_faults.PHASES,
+                        help="die inside the commit of --sigkill-at-step instead of after it: in its swap (half of "
+                             "the copy sent), once it is agreed, or once it is promoted")
+    args = parser.parse_args()
+    if args.sigkill_in_commit and args.sigkill_at_step % args.commit_every:
+        parser.error(f"--sigkill-in-commit: step {args.sigkill_at_step} commits no state; expected "
+                     f"--sigkill-at-step a multiple of --commit-every ({args.commit_every})")
+    return args
 
 
 class Blocks(torch.nn.Module):
@@ -200,7 +208,14 @@ def main() -> None:
                             round=round_number)
                 if args.memory:
                     mark()
+                dies = (state.step == args.sigkill_at_step and round_number == args.sigkill_in_round
+                        and (le.rank() in args.sigkill_rank if args.sigkill_rank else hostname == args.sigkill_on_host))
                 if state.step % args.commit_every == 0:
+                    if args.digests:  # the state this commit holds, should a loss inside it leave it whole
+                        events.emit("committing", step=state.step, digest=state_digest(state), round=round_number)
+                    if dies and args.sigkill_in_commit:
+                        events.emit("sigkill", step=state.step, phase=args.sigkill_in_commit)
+                        os.environ[commit_faults.ENV] = args.sigkill_in_commit
                     state.commit()
                     if args.memory:
                         memory["committed"] = state.committed_bytes
@@ -210,11 +225,9 @@ def main() -> None:
                     if args.digests:
                         events.emit("commit", step=state.step, digest=state_digest(state),
                                     optimizer_steps=optimizer_steps(state), round=round_number)
-                if state.step == args.sigkill_at_step and round_number == args.sigkill_in_round:
-                    dies = le.rank() in args.sigkill_rank if args.sigkill_rank else hostname == args.sigkill_on_host
-                    if dies:
-                        events.emit("sigkill", step=state.step)
-                        os.kill(os.getpid(), signal.SIGKILL)
+                if dies and not args.sigkill_in_commit:
+                    events.emit("sigkill", step=state.step)
+                    os.kill(os.getpid(), signal.SIGKILL)
             committed = sorted(state.seen[: sampler.dataset_size])
             events.emit("epoch_end", epoch=state.epoch, samples=len(state.seen), unique=len(set(state.seen)),
                         complete=committed == list(range(sampler.dataset_size)))

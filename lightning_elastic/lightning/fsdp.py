@@ -7,9 +7,9 @@ The data-parallel degree is the job's world size: the mesh ``configure_model`` r
 built anew on every round. Tensor parallelism is refused.
 
 A commit is ``sharded.commit.ShardedCommit``'s: each rank's rows of the model and optimizer
-state in host memory, copied to a peer on another host (``sharded_commit``). Each fit
-attempt (``ElasticFitLauncher``) starts with the round agreeing on the newest commit still
-whole among its members. An attempt after a reset rebuilds the sharded submodules first:
+state in host memory, copied to a peer on another host (``sharded_commit``), in two phases
+that a rank lost inside the commit cannot tear. Each fit attempt (``ElasticFitLauncher``)
+starts with the round agreeing on the newest commit still whole among its members. An attempt after a reset rebuilds the sharded submodules first:
 FSDP2 cannot move a module to another mesh, so the LightningModule gets fresh meta-device
 copies of its submodules as they were before the first ``configure_model`` (``pristine``),
 the user's ``configure_model`` shards them on the new mesh, ``configure_optimizers`` builds
@@ -59,7 +59,7 @@ from lightning_elastic.membership.process_group import validate_backend, validat
 from lightning_elastic.membership.worker import ElasticWorker
 from lightning_elastic.sharded.agreement import agree, lost_error
 from lightning_elastic.sharded.commit import ShardedCommit
-from lightning_elastic.sharded.layout import NONE, Fresh, Layout, Lost, Restore, describe_coverage
+from lightning_elastic.sharded.layout import Fresh, Layout, Lost, Restore, describe_coverage
 from lightning_elastic.sharded.round_writers import RoundWriters
 from lightning_elastic.training.state import broadcast_object
 
@@ -179,8 +179,7 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
     @property
     def has_commit(self) -> bool:
         """A commit in this round's layout: the same answer on every rank."""
-        return (self._layout is not None and self._commit.layout == self._layout
-                and self._commit.own_version != NONE)
+        return self._layout is not None and self._commit.has(self._layout)
 
     def take_commit(self, trainer: pl.Trainer, snapshot: bool = True) -> None:
         """Collective, at a batch end: this rank's rows and the rest into host memory, then the
@@ -197,14 +196,15 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
             self._weights_in_rows = False
         entries, tensors, rest = split_fit(self.lightning_module, trainer.optimizers, checkpoint, info)
         # A snapshot still being written reads the own rows: the commit then takes a new buffer.
-        self._commit.save(entries, tensors, rest, self._layout, a.rank, worker.device,
+        self._commit.save(entries, tensors, rest, self._layout, a.rank, worker.device, worker.wait_collective,
                           keep_own=not self._snapshots.writing)
         worker.note_commit()
         if snapshot and getattr(worker.snapshot_writer, "settings", None) is not None:
             check_one_optimizer(trainer.optimizers)
-            own, own_rest = self._commit.own, self._commit.own_rest
+            own = self._commit.own
             assert own is not None
-            self._snapshots.offer(worker, lambda: fit_tree(own, own_rest),
+            rows, own_rest = own.rows, own.rest
+            self._snapshots.offer(worker, lambda: fit_tree(rows, own_rest),
                                   SnapshotInfo(round=a.round, step=trainer.global_step, epoch=trainer.current_epoch,
                                                world_size=a.size, sampler=_sampler_state(info), kind=files.SHARDED))
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_elastic.sharded.layout import Transfer
+from lightning_elastic.sharded.rows import RankRows
 
 _COPY_TAG = 1 << 20  # the commit's copy; a re-shard's transfers are tagged 0, 1, 2, ...
 
@@ -33,18 +34,33 @@ def _on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device)
 
 
-def swap_copies(own: torch.Tensor, held: torch.Tensor, holder: int, covered: int, device: torch.device) -> None:
-    """Send this rank's committed rows ``own`` to ``holder``; receive ``covered``'s into ``held``."""
-    works = []
-    if own.numel():
-        works.append(dist.isend(_on(device, own), dst=holder, tag=_COPY_TAG))
-    landing = held if held.device == device else torch.empty_like(held, device=device)
-    if held.numel():
-        works.append(dist.irecv(landing, src=covered, tag=_COPY_TAG))
-    for work in works:
-        work.wait()
-    if landing is not held:
-        held.copy_(landing)
+def send_rows(rows: Sequence[torch.Tensor], stage: RankRows, holder: int, covered: int, device: torch.device,
+              halfway: Callable[[], None] | None = None) -> None:
+    """Send this rank's live rows (``rows``: one tensor per entry) to ``holder``, and receive
+    ``covered``'s into ``stage``, one message per entry (tagged with its index): the rows go
+    straight from the live state, so the rank's own committed rows stay untouched until
+    every copy is in. ``halfway`` (fault injection): called once half of the sends are done."""
+    works: list[dist.Work] = []
+    landed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device landing, host view): NCCL only
+    for index in range(len(stage.entries)):
+        view = stage.view(index)
+        if view.numel():
+            landing = view if view.device == device else torch.empty_like(view, device=device)
+            works.append(dist.irecv(landing, src=covered, tag=_COPY_TAG + index))
+            if landing is not view:
+                landed.append((landing, view))
+    sends = [(index, tensor) for index, tensor in enumerate(rows) if tensor.numel()]
+    with torch.no_grad():
+        if halfway is not None:
+            first, sends = sends[:len(sends) // 2], sends[len(sends) // 2:]
+            for work in [dist.isend(_on(device, t).contiguous(), dst=holder, tag=_COPY_TAG + i) for i, t in first]:
+                work.wait()
+            halfway()
+        works += [dist.isend(_on(device, t).contiguous(), dst=holder, tag=_COPY_TAG + i) for i, t in sends]
+        for work in works:
+            work.wait()
+        for landing, view in landed:
+            view.copy_(landing)
 
 
 def run_transfers(transfers: Sequence[Transfer], me: int, source: Callable[[Transfer], torch.Tensor],

@@ -10,14 +10,16 @@ rank (its *held* copy): rank ``r``'s copy is held by rank ``(r + shift) % W``, w
 smallest shift that puts every holder on another host than the rank it covers
 (``holder_shift``). Ranks are numbered host by host, so on hosts of equal size that shift is
 the host size. Then any one lost host loses no committed row; on a single host, any one
-lost rank.
+lost rank. A commit in progress keeps the previous one whole until every rank has the new
+one (``commit.ShardedCommit``), so a member may hold pieces of two commits, and of two
+layouts (the first commit after a reset): each whole piece is reported (``Piece``).
 
 At a reset every member says what it holds (``Holding``); ``choose_commit`` picks the
 newest commit of which every rank of its layout is still held somewhere, and lists the
 row ranges each new rank receives from which member (``plan_transfers``), read from the own copy
-of the rank that committed them when it survives, else from its holder's copy. Nothing
-here touches torch.distributed: the same plan is computed on every member from the same
-gathered holdings, so every member posts the same transfers.
+of the rank that committed them when it survives, else from a copy another member holds.
+Nothing here touches torch.distributed: the same plan is computed on every member from the
+same gathered holdings, so every member posts the same transfers.
 """
 
 from __future__ import annotations
@@ -73,38 +75,43 @@ class Layout:
 
 
 @dataclasses.dataclass(frozen=True)
+class Piece:
+    """Old rank ``rank``'s whole rows of commit ``version`` of ``layout``, in the member's
+    buffer ``slot``; ``rest``: with that commit's rest of the state (a rank's own copy).
+    A buffer being written is never a piece: it becomes one when its last byte is in."""
+
+    slot: str
+    layout: Layout
+    rank: int
+    version: int
+    rest: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Holding:
-    """What one member of the new round holds (sent to every member at a reset).
+    """What one member of the new round holds (sent to every member at a reset): its whole
+    pieces, none for a joiner."""
 
-    ``own_rank`` is the rank this member had in ``layout`` (NONE for a joiner, or when its
-    own copy is not whole); ``held_rank`` the rank whose copy it holds, at ``held_version``.
-    A copy being written is never reported: its version is NONE until its last byte is in.
-    """
-
-    layout: Layout | None
-    own_rank: int = NONE
-    own_version: int = NONE
-    held_rank: int = NONE
-    held_version: int = NONE
+    pieces: tuple[Piece, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """Where old rank ``rank``'s committed rows are read: member ``member``'s own or held copy."""
+    """Where old rank ``rank``'s committed rows are read: member ``member``'s buffer ``slot``."""
 
     member: int
-    held: bool
+    slot: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """Rows ``[src_row, src_row + rows)`` of old rank ``old_rank``'s part of tensor ``entry``,
-    read from member ``src`` (its own copy, or its held copy if ``held``), written at row
-    ``dst_row`` of member ``dst``'s new part of that tensor."""
+    read from buffer ``slot`` of member ``src``, written at row ``dst_row`` of member
+    ``dst``'s new part of that tensor."""
 
     entry: int
     src: int
-    held: bool
+    slot: str
     old_rank: int
     src_row: int
     dst: int
@@ -134,38 +141,34 @@ class Lost:
     reason: str
 
 
+def _pieces(holdings: Sequence[Holding], layout: Layout, version: int) -> list[tuple[int, Piece]]:
+    return [(member, piece) for member, h in enumerate(holdings) for piece in h.pieces
+            if piece.layout == layout and piece.version == version]
+
+
 def _sources(holdings: Sequence[Holding], layout: Layout, version: int) -> list[Source] | None:
     found: dict[int, Source] = {}
-    for member, h in enumerate(holdings):
-        if h.layout != layout:
-            continue
-        if h.own_version == version and h.own_rank != NONE:
-            found[h.own_rank] = Source(member, held=False)  # an own copy is preferred
-    for member, h in enumerate(holdings):
-        if h.layout != layout:
-            continue
-        if h.held_version == version and h.held_rank != NONE and h.held_rank not in found:
-            found[h.held_rank] = Source(member, held=True)
+    pieces = _pieces(holdings, layout, version)
+    for member, piece in sorted(pieces, key=lambda mp: not mp[1].rest):  # an own copy is preferred
+        found.setdefault(piece.rank, Source(member, piece.slot))
     if len(found) < layout.world:
         return None
     return [found[r] for r in range(layout.world)]
 
 
 def _missing(holdings: Sequence[Holding], layout: Layout, version: int) -> list[int]:
-    have = {h.own_rank for h in holdings if h.layout == layout and h.own_version == version}
-    have |= {h.held_rank for h in holdings if h.layout == layout and h.held_version == version}
+    have = {piece.rank for _, piece in _pieces(holdings, layout, version)}
     return [r for r in range(layout.world) if r not in have]
 
 
 def choose_commit(holdings: Sequence[Holding]) -> Restore | Fresh | Lost:
     """What the members (``holdings`` in new-rank order) restore, and from whom.
 
-    The newest version wins of which every rank of its layout is held by some member; a
-    member's own copy is read before a holder's copy of the same rows.
+    The newest version wins of which every rank of its layout is held by some member, and
+    some member holds its rest; a member's own copy is read before another's copy of the
+    same rows. Only whole pieces are reported, so a commit torn by a loss is never chosen.
     """
-    candidates = sorted({(h.own_version, h.layout) for h in holdings if h.layout is not None and h.own_version != NONE}
-                        | {(h.held_version, h.layout) for h in holdings
-                           if h.layout is not None and h.held_version != NONE},
+    candidates = sorted({(p.version, p.layout) for h in holdings for p in h.pieces},
                         key=lambda c: (c[0], c[1].round), reverse=True)
     if not candidates:
         return Fresh()
@@ -173,12 +176,12 @@ def choose_commit(holdings: Sequence[Holding]) -> Restore | Fresh | Lost:
         sources = _sources(holdings, layout, version)
         if sources is None:
             continue
-        replicated_from = next((m for m, h in enumerate(holdings)
-                                if h.layout == layout and h.own_version == version and h.own_rank != NONE), NONE)
+        replicated_from = next((m for m, piece in _pieces(holdings, layout, version) if piece.rest), NONE)
         if replicated_from == NONE:
             continue  # rows alone, and nobody with the rest of that commit
         return Restore(layout, version, tuple(sources), replicated_from)
-    version, layout = candidates[0]
+    # The commit that came closest (a newer one torn mid-commit names more ranks than it lost).
+    version, layout = min(candidates, key=lambda c: len(_missing(holdings, c[1], c[0])))
     missing = _missing(holdings, layout, version)
     ranks = ", ".join(map(str, missing)) or "none"
     return Lost(f"commit {version} (world size {layout.world}) lost rank(s) {ranks} together with the copy of "
@@ -200,7 +203,7 @@ def plan_transfers(sources: Sequence[Source], old_world: int, new_world: int,
                 if start >= stop:
                     continue
                 s = sources[old_rank]
-                out.append(Transfer(entry=entry, src=s.member, held=s.held, old_rank=old_rank, src_row=start - a,
+                out.append(Transfer(entry=entry, src=s.member, slot=s.slot, old_rank=old_rank, src_row=start - a,
                                     dst=new_rank, dst_row=start - lo, rows=stop - start))
     return out
 

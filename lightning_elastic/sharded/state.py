@@ -4,7 +4,8 @@ A sharded model exists only as its ranks' rows: no rank can hand the whole state
 others, as rank 0 does for a ``TorchState``. So a commit keeps, on every rank, its own rows
 (``rows.RankRows``, one host buffer) plus a copy of one other rank's rows, sent point to
 point as part of the commit (``layout``: the copy lives on another host when there is
-one). The rest of the state (plain values, buffers, the optimizer's step counts and
+one), in two phases so that a rank lost inside a commit leaves the one before whole
+(``commit``: three host buffers per rank). The rest of the state (plain values, buffers, the optimizer's step counts and
 hyperparameters, schedulers, samplers) is the same on every rank and committed by each.
 
 The model is built by the runtime, on every new process group, from the user's own FSDP2
@@ -125,7 +126,9 @@ class ShardedState(State):
 
     @property
     def committed_bytes(self) -> int:
-        """Host bytes of this rank's commit: its own rows plus the copy it holds."""
+        """Host bytes of this rank's commits: its own rows, the copy it holds for a peer and the
+        buffer the next copy arrives in (plus, until the first commit after a reset settles,
+        the restored commit's)."""
         return self._commit.nbytes
 
     # ----- commit --------------------------------------------------------------------------
@@ -146,7 +149,7 @@ class ShardedState(State):
         entries, tensors, rest = self._split_live()
         writing = any(w.writing for _, w in self._writers)  # a snapshot still reads the own rows
         self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device,
-                          keep_own=not writing)
+                          worker.wait_collective, keep_own=not writing)
         object.__setattr__(self, "_committed_live", True)
 
     def offer_snapshot(self) -> None:
@@ -162,7 +165,7 @@ class ShardedState(State):
         stateful = {n: getattr(self, n) for n in self._names if _is_stateful(getattr(self, n))}
         info = info_of_state(values, stateful, worker.commits_total, a.round, a.size, "sharded")
         writer = self._writer_for_round(settings, info.step)
-        writer.offer(snapshot_tree.written(own, self._commit.own_rest), info)
+        writer.offer(snapshot_tree.written(own.rows, own.rest), info)
 
     def _writer_for_round(self, settings: Any, step: int) -> Any:
         """This round's writer, made at its first commit: rank 0's pace since the round's
@@ -235,6 +238,7 @@ class ShardedState(State):
             self._restore_lost(choice)
         else:
             assert isinstance(choice, Fresh)
+            self._commit.clear()  # nothing whole anywhere: what this rank holds is torn
             plan = worker.resume_from  # the job's first round only: cleared once a round synced
             found = self._agree_on_snapshot(plan.locate if plan is not None else None)
             if found is None:
@@ -314,6 +318,7 @@ class ShardedState(State):
         def newest() -> Found | None:
             return files.newest_valid(settings.directory, log.warning) if settings is not None else None
 
+        self._commit.clear()  # its pieces are no use without the rows lost with them
         found = self._agree_on_snapshot(newest)
         if found is None:
             where = "no valid snapshot in --snapshot-dir" if settings is not None else "no --snapshot-dir"

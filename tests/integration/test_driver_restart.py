@@ -407,6 +407,7 @@ def full_tmpfs(path):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_full_state_dir_fails_one_start_and_the_keepers_report_real_exits(job: Job) -> None:
     """Issue 34, point 4: --state-dir on a file system with no inode left. A worker started
     for a new host cannot get its log file there: that start fails, not the job. A worker

@@ -173,6 +173,7 @@ def test_remote_host_added_joins_and_removed_host_leaves_without_rollback(job: J
     assert_replicas_identical(job)
 
 
+@pytest.mark.slow
 def test_a_rolling_move_across_remote_hosts_keeps_the_state(job: Job, hosts: NamespacedHosts) -> None:
     # H1 -> H1,H2 -> H2,H3 -> H3 over ssh, H2 removed before H3's worker joined: H2 stays
     # until the round with H3 has given H3 the state (chaos matrix row 61).

@@ -27,7 +27,7 @@ from tests.integration.test_lightning import start as start_lightning
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a local Ray cluster: minutes
 
 MB = 2**20
 EXECUTOR_EXAMPLE = REPO / "examples" / "ray_executor.py"

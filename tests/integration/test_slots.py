@@ -46,6 +46,7 @@ def test_a_dead_worker_on_a_three_slot_host_takes_only_its_slot(job: Job) -> Non
     assert_replicas_identical(job)
 
 
+@pytest.mark.slow
 def test_a_second_slot_failing_blacklists_the_host(job: Job) -> None:
     job.start(["-np", "4", "--min-np", "1", "-H", "localhost:3,127.0.0.2:1"], [*SLOW, "--epochs", "2"])
     job.wait_rounds(1)

@@ -263,6 +263,7 @@ def test_a_killed_fabric_job_resumes_from_its_snapshot_with_no_change_to_its_loo
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_job_killed_whole_resumes_from_its_newest_snapshot_in_an_object_store(job: Job) -> None:
     """``--snapshot-dir s3://bucket/job``: the same kill and relaunch as above, with the
     snapshots in an S3 bucket (the fsspec store: objects under their final names, the

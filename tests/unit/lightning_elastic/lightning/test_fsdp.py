@@ -172,7 +172,7 @@ def _digest(module: Two, optimizer: torch.optim.Optimizer) -> list[Any]:
     return [*out, [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]]
 
 
-def write_fit_snapshot(directory: str, rank: int, worker: object) -> list[Any]:
+def write_fit_snapshot(directory: str, rank: int, worker: Any) -> list[Any]:
     from lightning_elastic.durable.files import SHARDED, SnapshotSettings
     from lightning_elastic.durable.store import SnapshotInfo
     from lightning_elastic.lightning import compat
@@ -195,10 +195,10 @@ def write_fit_snapshot(directory: str, rank: int, worker: object) -> list[Any]:
     info = CommitInfo(2, 2, SamplerPosition(0, 8, 20, 2), compat.collect_rng_states())
     entries, tensors, rest = split_fit(module, [optimizer], checkpoint, info)
     commit = ShardedCommit()
-    commit.save(entries, tensors, rest, Layout(1, 2, 0), rank, torch.device("cpu"))
+    commit.save(entries, tensors, rest, Layout(1, 2, 0), rank, torch.device("cpu"), worker.wait_collective)
     writer = ShardedSnapshotWriter(SnapshotSettings(directory), rank, 2, SnapshotPlan("abcd1234", 1), "job-1")
     assert commit.own is not None
-    assert writer.offer(fit_tree(commit.own, commit.own_rest),
+    assert writer.offer(fit_tree(commit.own.rows, commit.own.rest),
                         SnapshotInfo(round=1, step=2, epoch=0, world_size=2, sampler=None, kind=SHARDED))
     writer.close(30)
     return _digest(module, optimizer)

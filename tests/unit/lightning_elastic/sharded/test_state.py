@@ -63,3 +63,32 @@ def test_a_rebuild_frees_the_dropped_models_moments_and_gradients_before_it_buil
     [(alive, dropped)] = run_ranks(1, tensors_alive_at_rebuild, timeout=60)
     assert dropped > 0
     assert alive == [0, 0, 0]
+
+
+def commits_in_a_gloo_group(rank: int, worker: FakeWorker) -> dict[str, tuple[int, int, bool]]:
+    """Two commits of uneven rows over gloo; each buffer: (rank of its rows, version, rows right)."""
+    from lightning_elastic.sharded.commit import ShardedCommit
+    from lightning_elastic.sharded.layout import Layout
+    from tests.unit.lightning_elastic.sharded.test_commit_phases import ENTRIES, live
+
+    world = worker.assignment.size
+    layout = Layout(round=1, world=world, shift=1)
+    commit = ShardedCommit()
+    for version in (1, 2):
+        commit.save(ENTRIES, live(rank, world, version), {"version": version}, layout, rank, worker.device,
+                    worker.wait_collective)
+    out = {}
+    for slot, buffer in commit.buffers().items():
+        expected = live(buffer.rows.rank, world, buffer.version if buffer.version > 0 else 1)
+        right = all(torch.equal(buffer.rows.view(i), t) for i, t in enumerate(expected))
+        out[slot] = (buffer.rows.rank, buffer.version, right)
+    return out
+
+
+def test_a_commit_over_gloo_sends_each_rank_its_covered_ranks_rows_entry_by_entry() -> None:
+    # 5 rows at 3 ranks: 2, 2, 1; 2 rows: 1, 1, 0 (rank 2 sends none of that entry).
+    results = run_ranks(3, commits_in_a_gloo_group, timeout=60)
+    for rank, buffers in enumerate(results):
+        covered = (rank - 1) % 3
+        # Commit 2 whole in own and held; the spare holds commit 1's copy, retired (no version).
+        assert buffers == {"own": (rank, 2, True), "held": (covered, 2, True), "spare": (covered, -1, True)}
