@@ -239,6 +239,8 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         self._layout = agreed.layout
         self._choice = agreed.choice if isinstance(agreed.choice, Restore) else None
         self._snapshot = self._snapshot_to_resume(agreed.choice)
+        if isinstance(agreed.choice, Lost):
+            self._commit.clear()  # its pieces are no use without the rows lost with them
         self._restoring = self._choice is not None or self._snapshot is not None
         self._say_coverage(agreed.hosts)
         # The loggers keep the run of the member whose state is resumed (one run per job).
