@@ -139,7 +139,9 @@ class Lifecycle:
             log.info("Stopping %d worker process(es).", sum(p_.poll() is None for p_ in procs))
         stop_all(procs, self._config.timeouts.stop_grace)
         if self._agents is not None:
-            self._agents.close()  # every agent's next poll says the job is over
+            # Every agent's poll says the job is over before the service closes (a poll
+            # comes every heartbeat period): else they would go on waiting for a driver.
+            self._agents.close(timeout=self._config.timeouts.heartbeat_period + 1.0)
         if self._exit_watcher is not None:
             self._exit_watcher.close()
         self._gc.stop()

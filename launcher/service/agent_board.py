@@ -136,6 +136,10 @@ class AgentBoard:
         self._dropped: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._refused_said: set[str] = set()
         self._closing = False
+        # At the job's end: agents not yet answered that it ended (the driver waits, bounded,
+        # for their polls before its service closes: else they would wait for a driver).
+        self._untold: set[str] = set()
+        self._told = threading.Condition(self.lock)
         # Bumped whenever the hosts agents offer change (a join, a leave, a loss): the driver
         # takes them again only then (read without the lock: an int).
         self.version = 0
@@ -199,13 +203,13 @@ class AgentBoard:
         with self.lock:
             agent = self._heard(request.agent_id)
             if agent is None:
-                return p.AgentPollReply(dropped=True, reason=self._why_dropped(request.agent_id))
+                return self._dropped_reply(request.agent_id)
             while agent.orders and agent.orders[0].number <= request.orders_through:
                 agent.orders.popleft()  # carried out: acknowledged by this poll
 
         def answer(final: bool) -> p.AgentPollReply | None:
             if self._agents.get(agent.agent_id) is not agent:
-                return p.AgentPollReply(dropped=True, reason=self._why_dropped(agent.agent_id))
+                return self._dropped_reply(agent.agent_id)
             if agent.orders:
                 return p.AgentPollReply(orders=tuple(agent.orders))
             if final:
@@ -296,12 +300,15 @@ class AgentBoard:
             if found is not None and found[1].fate.status is None:
                 self._expire_one(found[0], self._clock())
 
-    def close(self) -> None:
-        """The job is over: every agent's next poll says so."""
+    def close(self, timeout: float = 0.0) -> None:
+        """The job is over: every agent's poll says so; wait up to ``timeout`` seconds until
+        each one has been answered (a poll comes every poll period)."""
         with self.lock:
             self._closing = True
             for agent in list(self._agents.values()):
+                self._untold.add(agent.agent_id)
                 self._drop(agent, f"its agent on {agent.host} was dropped: the job ended", "the job ended")
+            self._told.wait_for(lambda: not self._untold, timeout)
 
     # ----- under the lock --------------------------------------------------------------
 
@@ -313,6 +320,12 @@ class AgentBoard:
                 return None
             agent.last_heard = now
         return agent
+
+    def _dropped_reply(self, agent_id: str) -> p.AgentPollReply:
+        if agent_id in self._untold:
+            self._untold.discard(agent_id)
+            self._told.notify_all()
+        return p.AgentPollReply(dropped=True, reason=self._why_dropped(agent_id))
 
     def _why_dropped(self, agent_id: str) -> str:
         return self._dropped.get(agent_id, "the driver does not know this agent (it restarted, or lost it)")
