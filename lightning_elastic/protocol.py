@@ -351,6 +351,7 @@ class AgentPollReply:
     # workers and joins again, or exits once it is leaving.
     dropped: bool = False
     reason: str = ""
+    ended: bool = False  # (with dropped) the job is over: the agent exits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,7 +52,11 @@ class AgentSettings:
 
 
 class _Dropped(Exception):
-    """The driver no longer counts this agent (``why``)."""
+    """The driver no longer counts this agent (the message says why)."""
+
+    def __init__(self, why: str, ended: bool = False) -> None:
+        super().__init__(why)
+        self.ended = ended  # the job is over
 
 
 class Agent:
@@ -76,7 +80,7 @@ class Agent:
             except _Dropped as dropped:
                 if self._leaving.is_set():
                     return 0
-                if str(dropped) == "the job ended":
+                if dropped.ended:
                     log.info("The job ended: exiting.")
                     return 0
                 log.warning("The driver dropped this agent (%s): joining again.", dropped)
@@ -170,7 +174,7 @@ class Agent:
                 if reply.dropped:
                     workers.kill_all()
                     workers.wait_all(STOP_GRACE)
-                    raise _Dropped(reply.reason)
+                    raise _Dropped(reply.reason, reply.ended)
                 for order in reply.orders:
                     if order.number <= through:
                         continue  # carried out already (its acknowledgement was lost)

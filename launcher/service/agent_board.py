@@ -325,7 +325,7 @@ class AgentBoard:
         if agent_id in self._untold:
             self._untold.discard(agent_id)
             self._told.notify_all()
-        return p.AgentPollReply(dropped=True, reason=self._why_dropped(agent_id))
+        return p.AgentPollReply(dropped=True, reason=self._why_dropped(agent_id), ended=self._closing)
 
     def _why_dropped(self, agent_id: str) -> str:
         return self._dropped.get(agent_id, "the driver does not know this agent (it restarted, or lost it)")

@@ -55,7 +55,7 @@ MESSAGES = [
     p.AgentPoll("0" * 32, 2.5, 7),
     p.AgentPollReply((p.AgentOrder(8, p.AgentOrderKind.START, "pod-a[0]#3", ("python", "t.py"), ("RANK=0",), "/w"),
                       p.AgentOrder(9, p.AgentOrderKind.SIGNAL, "pod-a[0]#3", signal=15))),
-    p.AgentPollReply(dropped=True, reason="the job ended"),
+    p.AgentPollReply(dropped=True, reason="the job ended", ended=True),
     p.AgentReport("0" * 32, (p.AgentEvent(1, p.AgentEventKind.STARTED, "w", pid=42),
                              p.AgentEvent(2, p.AgentEventKind.OUTPUT, "w", output="ünï ✓\r"),
                              p.AgentEvent(3, p.AgentEventKind.EXITED, "w", signal=9))),

@@ -135,7 +135,7 @@ def test_an_agent_silent_past_the_heartbeat_timeout_is_lost_with_its_workers_and
     assert board.hosts() == [HostSlots("pod-b", 1)] and board.version == version
     # Its late poll is told it was dropped; it may join again as a new host.
     reply = answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 0)))
-    assert reply.dropped and "heard nothing from it" in reply.reason
+    assert reply.dropped and not reply.ended and "heard nothing from it" in reply.reason
     assert board.join(p.AgentJoin(agent_id(3), "pod-a", 1)).accepted
 
 
@@ -166,5 +166,5 @@ def test_at_the_jobs_end_every_agents_poll_says_so():
     poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 0))
     board.close()
     reply = poll.answer_now()
-    assert reply.dropped and reply.reason == "the job ended"
+    assert reply.dropped and reply.ended and reply.reason == "the job ended"
     assert not board.join(p.AgentJoin(agent_id(2), "pod-b", 1)).accepted
