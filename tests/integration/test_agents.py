@@ -8,10 +8,12 @@ example's event files and ``os.kill`` reach them and their workers.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +27,12 @@ from tests.integration.harness import (
     wait_for,
 )
 from tests.integration.namespaces import NamespacedHosts
-from tests.integration.test_multi_machine import last_step_before_round, synced_step, worker_pids
+from tests.integration.test_multi_machine import (
+    first_step_at_size,
+    last_step_before_round,
+    synced_step,
+    worker_pids,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.remote]
 
@@ -98,8 +105,28 @@ def driver_args(agents: Agents, *extra: str) -> list[str]:
             "--driver-address", agents.hosts.bridge_address, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), *extra]
 
 
+def say(capsys: pytest.CaptureFixture[str], **measured: float) -> None:
+    """Measurements for the README, shown in the test's output (never asserted: no timed assertions)."""
+    with capsys.disabled():
+        print(f"\nmeasured: {json.dumps({k: round(v, 2) for k, v in measured.items()})}")
+
+
+def driver_events(job: Job, kind: str) -> list[dict]:
+    path = job.dir / "logs" / "events.jsonl"
+    found = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event["kind"] == kind:
+            found.append(event)
+    return found
+
+
 def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job: Job, agents: Agents,
-                                                                              hosts: NamespacedHosts) -> None:
+                                                                              hosts: NamespacedHosts,
+                                                                              capsys: pytest.CaptureFixture[str]) -> None:
     h1, h2, h3 = hosts.names
     h4 = hosts.unreachable  # no sshd there: nothing but the agent
     # The agents come first: they wait for the driver, saying so, and join once it serves.
@@ -133,10 +160,13 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     # SIGKILL to an agent: its worker dies with it; the driver loses the host after the
     # heartbeat timeout, and the survivors recover in the same processes.
     victim = next(iter(before[h3]))
+    killed_at = time.time()
     agents.procs[h3].send_signal(signal.SIGKILL)
     wait_for(lambda: not os.path.exists(f"/proc/{victim}"), 10, "the killed agent's worker to die with it")
     job.wait_rounds(4, timeout=60)
     assert job.rounds_formed()[3] == 2
+    job.wait_steps(synced_step(job, 4) + 1)
+    say(capsys, sigkilled_agent_to_first_step_at_2=first_step_at_size(job, 2, killed_at) - killed_at)
 
     assert job.wait(timeout=120) == 0, job.stderr()[-3000:]
     err = job.stderr()
@@ -185,3 +215,35 @@ def test_agents_refused_each_in_one_line_and_no_secret_printed(job: Job, agents:
     everything = job.stderr() + "".join(agents.output(n) for n in ("intruder", "greedy", "twin", "twin-first"))
     assert SECRET not in everything and WRONG not in everything
     assert "Rendezvous service rejected" in job.stderr()
+
+
+def test_an_agent_cut_off_is_lost_its_worker_stopped_and_it_joins_again_once_healed(
+        job: Job, agents: Agents, hosts: NamespacedHosts, capsys: pytest.CaptureFixture[str]) -> None:
+    h1, h2, h3 = hosts.names
+    job.start(driver_args(agents, "-np", "3", "--min-np", "1", "--log-dir", str(job.dir / "logs")),
+              [*TRAIN, "--epochs", "10"])
+    for name in (h1, h2, h3):
+        agents.start(name)
+    job.wait_rounds(1, timeout=60)
+    job.wait_steps(4)
+    [cut_off] = worker_pids(job, h3)
+    cut = time.time()
+    hosts.partition(h3)  # its agent and worker run on, unheard
+    job.wait_rounds(2, timeout=60)
+    assert job.rounds_formed()[1] == 2
+    wait_for(lambda: "stopping 1 worker(s)" in agents.output(h3), 30, "the cut-off agent to stop its worker")
+    wait_for(lambda: not os.path.exists(f"/proc/{cut_off}"), 10, "its worker to end")
+    [lost] = [e for e in driver_events(job, "worker_failed") if e["host"] == h3]
+    assert "its agent on le-h3 was lost" in lost["reason"]
+    recovered = first_step_at_size(job, 2, cut)
+    hosts.heal(h3)  # the agent joins again: a host added, a joiner (no rollback)
+    job.wait_rounds(3, timeout=60)
+    assert job.rounds_formed()[2] == 3
+    assert synced_step(job, 3) == last_step_before_round(job, 3)
+    assert job.wait(timeout=120) == 0, job.stderr()[-3000:]
+    assert job.world_sizes() == [3, 2, 3]
+    assert "Blacklisted" not in job.stderr()
+    assert_epochs_complete(job, 10)
+    assert_replicas_identical(job)
+    say(capsys, cut_to_host_lost=lost["time"] - cut, cut_to_first_step_at_2=recovered - cut,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT)
