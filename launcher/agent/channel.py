@@ -43,8 +43,11 @@ class Refused(Exception):
 class DriverChannel:
     """One persistent HTTP connection to the driver; not thread-safe (one per thread)."""
 
-    def __init__(self, host: str, port: int, secret: str, nonces: p.NonceSequence) -> None:
+    def __init__(self, host: str, port: int, secret: str, nonces: p.NonceSequence, slack: float = 30.0) -> None:
         self._host, self._port = host, port
+        # How long past its own wait a request may take (and a connection to open): a cut-off
+        # driver must show as one within the heartbeat timeout, not at TCP's own timeouts.
+        self._slack = slack
         self._secret = secret
         self._nonces = nonces  # shared by the agent's channels: one sender, one sequence
         self._connection: http.client.HTTPConnection | None = None
@@ -63,9 +66,10 @@ class DriverChannel:
         headers = {"Content-Type": "application/json", **p.sign_request(self._secret, "POST", path, body, self._nonces)}
         try:
             if self._connection is None:
-                self._connection = http.client.HTTPConnection(self._host, self._port, timeout=CONNECT_TIMEOUT)
+                self._connection = http.client.HTTPConnection(self._host, self._port,
+                                                              timeout=min(CONNECT_TIMEOUT, self._slack))
                 self._connection.connect()
-            self._connection.sock.settimeout(wait + 30.0)  # type: ignore[union-attr]
+            self._connection.sock.settimeout(wait + self._slack)  # type: ignore[union-attr]
             self._connection.request("POST", path, body, headers)
             response = self._connection.getresponse()
             content = response.read(MAX_REPLY + 1)

@@ -131,9 +131,12 @@ class Agent:
         events = Events()
         workers = Workers(s.secret, events)
         self._stopped.clear()
+        # A request may take its wait and a quarter of the heartbeat timeout more: a cut-off
+        # driver shows within the timeout (plus that quarter), not at TCP's own timeouts.
+        self._slack = max(1.0, welcome.heartbeat_timeout / 4)
         reporter = threading.Thread(target=self._report, args=(events,), name="agent-reporter", daemon=True)
         reporter.start()
-        channel = DriverChannel(s.driver_host, s.driver_port, s.secret, self._nonces)
+        channel = DriverChannel(s.driver_host, s.driver_port, s.secret, self._nonces, self._slack)
         through = 0  # the highest order carried out
         heard = time.monotonic()
         said_leaving = False
@@ -215,7 +218,7 @@ class Agent:
     def _report(self, events: Events) -> None:
         """Send the events in order until acknowledged, on a connection of its own."""
         s = self._s
-        channel = DriverChannel(s.driver_host, s.driver_port, s.secret, self._nonces)
+        channel = DriverChannel(s.driver_host, s.driver_port, s.secret, self._nonces, self._slack)
         try:
             while not self._stopped.is_set():
                 batch = events.batch(timeout=1.0)
