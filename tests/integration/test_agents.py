@@ -100,6 +100,12 @@ def agents(job: Job, hosts: NamespacedHosts) -> Iterator[Agents]:
     a.close()
 
 
+def wait_synced(job: Job, round_number: int, size: int) -> None:
+    """Until every member of ``round_number`` has synced (its "synced" event written)."""
+    wait_for(lambda: len([e for e in job.events("synced") if e["round"] == round_number]) >= size, 60,
+             f"round {round_number}'s {size} members to sync")
+
+
 def driver_args(agents: Agents, *extra: str) -> list[str]:
     return ["--agents", "--secret-file", str(agents.secret_file), "--port", str(agents.port),  # type: ignore[attr-defined]
             "--driver-address", agents.hosts.bridge_address, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), *extra]
@@ -145,6 +151,7 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     agents.start(h4)
     job.wait_rounds(2, timeout=60)
     assert job.rounds_formed()[1] == 4
+    wait_synced(job, 2, 4)
     assert synced_step(job, 2) == last_step_before_round(job, 2)
     job.wait_steps(synced_step(job, 2) + 3)
 
@@ -152,6 +159,7 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     agents.procs[h2].send_signal(signal.SIGTERM)
     job.wait_rounds(3, timeout=60)
     assert job.rounds_formed()[2] == 3
+    wait_synced(job, 3, 3)
     assert synced_step(job, 3) == last_step_before_round(job, 3)
     assert agents.wait(h2, 30) == 0
     assert "Left the job: every worker has ended." in agents.output(h2)
@@ -165,6 +173,7 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     wait_for(lambda: not os.path.exists(f"/proc/{victim}"), 10, "the killed agent's worker to die with it")
     job.wait_rounds(4, timeout=60)
     assert job.rounds_formed()[3] == 2
+    wait_synced(job, 4, 2)
     job.wait_steps(synced_step(job, 4) + 1)
     say(capsys, sigkilled_agent_to_first_step_at_2=first_step_at_size(job, 2, killed_at) - killed_at)
 
@@ -239,6 +248,7 @@ def test_an_agent_cut_off_is_lost_its_worker_stopped_and_it_joins_again_once_hea
     hosts.heal(h3)  # the agent joins again: a host added, a joiner (no rollback)
     job.wait_rounds(3, timeout=60)
     assert job.rounds_formed()[2] == 3
+    wait_synced(job, 3, 3)
     assert synced_step(job, 3) == last_step_before_round(job, 3)
     assert job.wait(timeout=120) == 0, job.stderr()[-3000:]
     assert job.world_sizes() == [3, 2, 3]
