@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from tests.integration.harness import (
     wait_for,
 )
 from tests.integration.namespaces import NamespacedHosts
+from tests.troubleshooting_rows import assert_documented
 from tests.integration.test_multi_machine import (
     first_step_at_size,
     last_step_before_round,
@@ -41,6 +43,12 @@ SECRET = "4f1c2d9e8b7a6c5d4e3f2a1b0c9d8e7f"
 WRONG = "0000000000000000ffffffffffffffff"
 TRAIN = ["--step-delay", "0.2", "--samples", "384", "--batch-size", "8", "--commit-every", "2"]
 _WITH_HOSTNAME = 'hostname "$0" && exec "$@"'
+
+
+def logged(output: str, needle: str) -> str:
+    """The first line of ``output`` holding ``needle``, without the log's prefix."""
+    line = next(line for line in output.splitlines() if needle in line)
+    return re.sub(r"^lightning-elastic (agent )?(\d\d:\d\d:\d\d \w+ |error: )", "", line)
 
 
 def free_port(address: str) -> int:
@@ -146,6 +154,7 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
         agents.start(name)
     wait_for(lambda: all("not reachable yet" in agents.output(n) for n in (h1, h2, h3)), 30,
              "the agents to say the driver is not up yet")
+    assert_documented(logged(agents.output(h1), "not reachable yet"))
     job.start(driver_args(agents, "-np", "3", "--min-np", "1", "--max-np", "4"), [*TRAIN, "--epochs", "14"])
     job.wait_rounds(1, timeout=60)
     assert job.rounds_formed() == [3]
@@ -189,7 +198,7 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     for name in (h1, h2, h3, h4):
         assert f"Agent on {name} joined with 1 slot(s)." in err
     assert f"Agent on {h2} is leaving (SIGTERM)" in err and f"Agent on {h2} left the job." in err
-    assert f"Agent on {h3} lost: nothing heard from it" in err
+    assert_documented(logged(err, f"Agent on {h3} lost: nothing heard from it"))
     assert "Blacklisted" not in err and "blacklisted:   none" in err  # neither the host that left nor the one lost
     # Survivors went on in the processes they started in: no worker was started again.
     done = {e["pid"] for e in job.events("done")}
@@ -227,6 +236,7 @@ def test_agents_refused_each_in_one_line_and_no_secret_printed(job: Job, agents:
     for name in ("intruder", "greedy", "twin"):
         said = [line for line in agents.output(name).splitlines() if "error" in line]
         assert len(said) == 1, said  # one line each
+        assert_documented(logged(said[0], "error"))
     everything = job.stderr() + "".join(agents.output(n) for n in ("intruder", "greedy", "twin", "twin-first"))
     assert SECRET not in everything and WRONG not in everything
     assert "Rendezvous service rejected" in job.stderr()
@@ -247,6 +257,7 @@ def test_an_agent_cut_off_is_lost_its_worker_stopped_and_it_joins_again_once_hea
     job.wait_rounds(2, timeout=60)
     assert job.rounds_formed()[1] == 2
     wait_for(lambda: "stopping 1 worker(s)" in agents.output(h3), 30, "the cut-off agent to stop its worker")
+    assert_documented(logged(agents.output(h3), "stopping 1 worker(s)"))
     wait_for(lambda: not os.path.exists(f"/proc/{cut_off}"), 10, "its worker to end")
     [lost] = [e for e in driver_events(job, "worker_failed") if e["host"] == h3]
     assert "its agent on le-h3 was lost" in lost["reason"]
