@@ -48,7 +48,7 @@ _WITH_HOSTNAME = 'hostname "$0" && exec "$@"'
 def logged(output: str, needle: str) -> str:
     """The first line of ``output`` holding ``needle``, without the log's prefix."""
     line = next(line for line in output.splitlines() if needle in line)
-    return re.sub(r"^lightning-elastic (agent )?(\d\d:\d\d:\d\d \w+ |error: )", "", line)
+    return re.sub(r"^lightning-elastic (agent:? )?(\d\d:\d\d:\d\d \w+ |error: )", "", line)
 
 
 def free_port(address: str) -> int:
