@@ -275,3 +275,34 @@ def test_an_agent_cut_off_is_lost_its_worker_stopped_and_it_joins_again_once_hea
     assert_replicas_identical(job)
     say(capsys, cut_to_host_lost=lost["time"] - cut, cut_to_first_step_at_2=recovered - cut,
         heartbeat_timeout=HEARTBEAT_TIMEOUT)
+
+
+def test_a_rolling_replacement_of_every_agent_never_loses_the_state(job: Job, agents: Agents,
+                                                                     hosts: NamespacedHosts) -> None:
+    # As a Deployment's rolling update does: new pods first, then each old one deleted
+    # (SIGTERM) as soon as the new ones are connected, not once they train.
+    h1, h2, h3 = hosts.names
+    h4 = hosts.unreachable
+    job.start(driver_args(agents, "-np", "2", "--min-np", "1", "--max-np", "4"), [*TRAIN, "--epochs", "8"])
+    for name in (h1, h2):
+        agents.start(name)
+    job.wait_rounds(1, timeout=60)
+    job.wait_steps(4)
+    old = worker_pids(job, h1) | worker_pids(job, h2)
+    for name in (h3, h4):
+        agents.start(name)
+    wait_for(lambda: all(f"Agent on {n} joined" in job.stderr() for n in (h3, h4)), 30, "the new agents to join")
+    for name in (h1, h2):
+        agents.procs[name].send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == 0, job.stderr()[-3000:]
+    for name in (h1, h2):
+        assert agents.wait(name, 30) == 0
+    err = job.stderr()
+    assert "failures:      0" in err and "Blacklisted" not in err
+    # Every re-formation kept the live state: each round starts where the previous stopped.
+    for number in range(2, len(job.rounds_formed()) + 1):
+        assert synced_step(job, number) == last_step_before_round(job, number), f"round {number} rolled back"
+    assert {e["pid"] for e in job.events("done")} == worker_pids(job, h3) | worker_pids(job, h4)
+    assert not old & {e["pid"] for e in job.events("done")}
+    assert_epochs_complete(job, 8)
+    assert_replicas_identical(job)
