@@ -39,7 +39,15 @@ class HostIntake:
             if latest.hosts is None:
                 return HostsListed(None, latest.error)
             self._discovered = list(latest.hosts)  # kept for the turns in which only agents change
-        listed = [*self._discovered, *(agents.hosts() if agents is not None else [])]
+        discovered = {h.host for h in self._discovered}
+        offered = []
+        for host in agents.hosts() if agents is not None else []:
+            if host.host in discovered:  # one host, one source: its workers would start twice
+                self._refuse(host.host, "an agent offers it and the host source lists it too; give the agent "
+                                        "another --host-name, or list the host in one place")
+            else:
+                offered.append(host)
+        listed = [*self._discovered, *offered]
         return HostsListed(tuple(h for h in listed if self._reachable(h.host)),
                            latest.error if latest is not None else None)
 
