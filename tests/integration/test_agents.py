@@ -155,7 +155,7 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     wait_for(lambda: all("not reachable yet" in agents.output(n) for n in (h1, h2, h3)), 30,
              "the agents to say the driver is not up yet")
     assert_documented(logged(agents.output(h1), "not reachable yet"))
-    job.start(driver_args(agents, "-np", "3", "--min-np", "1", "--max-np", "4"), [*TRAIN, "--epochs", "14"])
+    job.start(driver_args(agents, "-np", "3", "--min-np", "1", "--max-np", "4"), [*TRAIN, "--epochs", "12"])
     job.wait_rounds(1, timeout=60)
     assert job.rounds_formed() == [3]
     job.wait_steps(4)
@@ -204,7 +204,7 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     done = {e["pid"] for e in job.events("done")}
     assert done == before[h1] | worker_pids(job, h4)
     assert len({e["pid"] for e in job.events("start")}) == 4
-    assert_epochs_complete(job, 14)
+    assert_epochs_complete(job, 12)
     assert_replicas_identical(job)
     for name in (h1, h4):  # the job's end ends its agents
         assert agents.wait(name, 30) == 0
@@ -246,7 +246,7 @@ def test_an_agent_cut_off_is_lost_its_worker_stopped_and_it_joins_again_once_hea
         job: Job, agents: Agents, hosts: NamespacedHosts, capsys: pytest.CaptureFixture[str]) -> None:
     h1, h2, h3 = hosts.names
     job.start(driver_args(agents, "-np", "3", "--min-np", "1", "--log-dir", str(job.dir / "logs")),
-              [*TRAIN, "--epochs", "10"])
+              [*TRAIN, "--epochs", "8"])
     for name in (h1, h2, h3):
         agents.start(name)
     job.wait_rounds(1, timeout=60)
@@ -271,7 +271,7 @@ def test_an_agent_cut_off_is_lost_its_worker_stopped_and_it_joins_again_once_hea
     assert job.wait(timeout=120) == 0, job.stderr()[-3000:]
     assert job.world_sizes() == [3, 2, 3]
     assert "Blacklisted" not in job.stderr()
-    assert_epochs_complete(job, 10)
+    assert_epochs_complete(job, 8)
     assert_replicas_identical(job)
     say(capsys, cut_to_host_lost=lost["time"] - cut, cut_to_first_step_at_2=recovered - cut,
         heartbeat_timeout=HEARTBEAT_TIMEOUT)
@@ -283,7 +283,7 @@ def test_a_rolling_replacement_of_every_agent_never_loses_the_state(job: Job, ag
     # (SIGTERM) as soon as the new ones are connected, not once they train.
     h1, h2, h3 = hosts.names
     h4 = hosts.unreachable
-    job.start(driver_args(agents, "-np", "2", "--min-np", "1", "--max-np", "4"), [*TRAIN, "--epochs", "8"])
+    job.start(driver_args(agents, "-np", "2", "--min-np", "1", "--max-np", "4"), [*TRAIN, "--epochs", "6"])
     for name in (h1, h2):
         agents.start(name)
     job.wait_rounds(1, timeout=60)
@@ -304,5 +304,5 @@ def test_a_rolling_replacement_of_every_agent_never_loses_the_state(job: Job, ag
         assert synced_step(job, number) == last_step_before_round(job, number), f"round {number} rolled back"
     assert {e["pid"] for e in job.events("done")} == worker_pids(job, h3) | worker_pids(job, h4)
     assert not old & {e["pid"] for e in job.events("done")}
-    assert_epochs_complete(job, 8)
+    assert_epochs_complete(job, 6)
     assert_replicas_identical(job)
