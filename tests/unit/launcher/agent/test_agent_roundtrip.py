@@ -88,3 +88,41 @@ def test_a_graceful_leave_takes_the_host_off_and_the_agent_exits_once_its_worker
     assert proc.poll() is None  # its worker leaves in its own time (here: it ends)
     wait_for(lambda: code, 20, "the agent to exit")
     assert code == [0] and proc.poll() == 0 and not board.serves("agent-host")
+
+
+def test_an_agent_that_loses_its_driver_stops_its_workers_and_joins_the_next_one():
+    # The driver's pod restarted: the old service is gone, a new one serves on the same
+    # port (the same Service) with the same secret.
+    first = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
+    server = RendezvousServer(Registry(), SECRET, agents=first)
+    server.start()
+    port = server.port
+    agent = Agent(AgentSettings("127.0.0.1", port, 1, "agent-host", SECRET, leave_timeout=5.0))
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
+    thread.start()
+    second = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
+    restarted = RendezvousServer(Registry(), SECRET, agents=second, port=port)
+    try:
+        wait_for(lambda: first.serves("agent-host"), 10, "the agent to join the first driver")
+        proc = AgentLauncher(first, None, OutputSink(io.StringIO())).start(
+            spec("old-worker", "import time; time.sleep(60)"), lambda: "")
+        pid = wait_for(lambda: proc.pid, 20, "the worker to start")
+        server.close()  # the driver is gone (its agents' connections with it)
+        restarted.start()
+        wait_for(lambda: second.serves("agent-host"), 20, "the agent to join the restarted driver")
+        assert wait_for(lambda: not _alive(pid), 10, "the old driver's worker to be stopped")
+    finally:
+        agent.request_leave()
+        second.close()
+        thread.join(10)
+        restarted.close()
+    assert code == [0]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
