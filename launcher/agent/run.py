@@ -139,6 +139,7 @@ class Agent:
         channel = DriverChannel(s.driver_host, s.driver_port, s.secret, self._nonces, self._slack)
         through = 0  # the highest order carried out
         heard = time.monotonic()
+        failures = 0  # polls failed in a row
         said_leaving = False
         leave_deadline: float | None = None
         try:
@@ -171,9 +172,12 @@ class Agent:
                         workers.kill_all()
                         workers.wait_all(STOP_GRACE)
                         raise _Dropped("unreachable") from None
-                    self._leaving.wait(min(RETRY_DELAY, welcome.poll_seconds))
+                    # The first retry at once: the driver counts an agent whose poll's
+                    # connection closed as lost unless it polls again within seconds.
+                    failures += 1
+                    self._leaving.wait(0.05 if failures == 1 else min(RETRY_DELAY, welcome.poll_seconds))
                     continue
-                heard = time.monotonic()
+                heard, failures = time.monotonic(), 0
                 if reply.dropped:
                     workers.kill_all()
                     workers.wait_all(STOP_GRACE)

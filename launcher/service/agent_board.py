@@ -44,6 +44,11 @@ MAX_AGENT_SLOTS = 4096
 # Agents dropped (lost, refused after they joined) remembered so that their late requests
 # are answered "dropped" and not taken for strangers; bounded.
 DROPPED_KEPT = 4096
+# An agent whose waiting poll's connection closed (its process killed, its pod deleted by
+# force) is lost unless it polls again within this: a live agent whose connection broke
+# polls again at once (launcher/agent/run.py), a dead one never does, and waiting for the
+# heartbeat timeout would cost every survivor that long.
+CLOSED_GRACE = 2.0
 # Worker output held for the driver's forwarder beyond what it drained: past this the
 # newest chunks are dropped (said once per worker), never the agent's requests stalled.
 OUTPUT_HELD = 4 * 1024 * 1024
@@ -113,6 +118,7 @@ class Agent:
     slots: int
     last_heard: float
     leaving: bool = False
+    closed_at: float | None = None  # its waiting poll's connection closed then (CLOSED_GRACE)
     orders: collections.deque[p.AgentOrder] = dataclasses.field(default_factory=collections.deque)
     next_order: int = 1
     events_taken: int = 0
@@ -207,18 +213,27 @@ class AgentBoard:
             while agent.orders and agent.orders[0].number <= request.orders_through:
                 agent.orders.popleft()  # carried out: acknowledged by this poll
 
+        answered = []
+
         def answer(final: bool) -> p.AgentPollReply | None:
+            reply = None
             if self._agents.get(agent.agent_id) is not agent:
-                return self._dropped_reply(agent.agent_id)
-            if agent.orders:
-                return p.AgentPollReply(orders=tuple(agent.orders))
-            if final:
+                reply = self._dropped_reply(agent.agent_id)
+            elif agent.orders:
+                reply = p.AgentPollReply(orders=tuple(agent.orders))
+            elif final:
                 # (Not heard for that: a dead agent's poll ends the same way. It is heard at
                 # its next poll, sent at once.)
-                return p.AgentPollReply()
-            return None
+                reply = p.AgentPollReply()
+            if reply is not None:
+                answered.append(True)
+            return reply
 
-        return LongPoll(self.lock, answer, agent.wake, self._clock() + wait, self._clock)
+        def finish() -> None:
+            if not answered and self._agents.get(agent.agent_id) is agent:
+                agent.closed_at = self._clock()  # its connection closed while it waited
+
+        return LongPoll(self.lock, answer, agent.wake, self._clock() + wait, self._clock, finish)
 
     def report(self, request: p.AgentReport) -> p.AgentReportReply:
         """Take the events past those taken already (a retried report repeats some)."""
@@ -319,6 +334,7 @@ class AgentBoard:
             if self._expire_one(agent, now):
                 return None
             agent.last_heard = now
+            agent.closed_at = None
         return agent
 
     def _dropped_reply(self, agent_id: str) -> p.AgentPollReply:
@@ -361,6 +377,13 @@ class AgentBoard:
             self._expire_one(agent, now)
 
     def _expire_one(self, agent: Agent, now: float) -> bool:
+        closed = agent.closed_at
+        if closed is not None and now - closed > CLOSED_GRACE:
+            log.warning("Agent on %s lost: its connection closed and it did not come back within %g s.",
+                        agent.host, CLOSED_GRACE)
+            self._drop(agent, f"its agent on {agent.host} was lost (its connection closed)",
+                       f"its connection closed and it did not poll again within {CLOSED_GRACE:g} s")
+            return True
         silent = now - agent.last_heard
         if silent <= self._heartbeat_timeout:
             return False

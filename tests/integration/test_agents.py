@@ -180,8 +180,9 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     assert "Left the job: every worker has ended." in agents.output(h2)
     job.wait_steps(synced_step(job, 3) + 3)
 
-    # SIGKILL to an agent: its worker dies with it; the driver loses the host after the
-    # heartbeat timeout, and the survivors recover in the same processes.
+    # SIGKILL to an agent: its worker dies with it; the driver loses the host once the
+    # agent's connection closed and it did not come back, and the survivors recover in the
+    # same processes.
     victim = next(iter(before[h3]))
     killed_at = time.time()
     agents.procs[h3].send_signal(signal.SIGKILL)
@@ -198,7 +199,8 @@ def test_agents_join_grow_leave_gracefully_and_are_lost_and_the_job_goes_on(job:
     for name in (h1, h2, h3, h4):
         assert f"Agent on {name} joined with 1 slot(s)." in err
     assert f"Agent on {h2} is leaving (SIGTERM)" in err and f"Agent on {h2} left the job." in err
-    assert_documented(logged(err, f"Agent on {h3} lost: nothing heard from it"))
+    # Its polls' connection closed with it: lost at once, not after the heartbeat timeout.
+    assert_documented(logged(err, f"Agent on {h3} lost: its connection closed"))
     assert "Blacklisted" not in err and "blacklisted:   none" in err  # neither the host that left nor the one lost
     # Survivors went on in the processes they started in: no worker was started again.
     done = {e["pid"] for e in job.events("done")}

@@ -168,3 +168,24 @@ def test_at_the_jobs_end_every_agents_poll_says_so():
     reply = poll.answer_now()
     assert reply.dropped and reply.ended and reply.reason == "the job ended"
     assert not board.join(p.AgentJoin(agent_id(2), "pod-b", 1)).accepted
+
+
+def test_an_agent_whose_waiting_poll_closed_is_lost_unless_it_polls_again_within_the_grace():
+    from lightning_elastic.launcher.service.agent_board import CLOSED_GRACE
+
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    board.join(p.AgentJoin(agent_id(2), "pod-b", 1))
+    fate, _ = board.start("pod-a", "w1", ("x",), {}, "/")
+    answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 0)))  # takes its start order
+    for n in (1, 2):
+        poll = board.poll(p.AgentPoll(agent_id(n), 1.0, 1 if n == 1 else 0))
+        assert poll.answer_now() is None
+        poll._finish()  # (what the service runs when the connection closes under a waiting poll)
+    clock.now += CLOSED_GRACE / 2
+    answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b comes back: a broken connection
+    clock.now += CLOSED_GRACE / 2 + 0.1
+    board.expire()
+    assert board.hosts() == [HostSlots("pod-b", 1)]
+    assert fate.status == -signal.SIGKILL and fate.host_gone and "its connection closed" in fate.detail
+    assert clock.now - 100.0 < TIMEOUT  # sooner than the heartbeat timeout
