@@ -10,8 +10,10 @@ exits. The board is where both sides meet, under a lock of its own (never the jo
   orders (``start``, ``signal``) and reads its workers' fates (``fate``) from its loop:
   in memory, O(1) per worker, so the decision loop never waits on an agent's network.
 
-An agent is lost when nothing was heard from it for the heartbeat timeout: its workers
-then count as lost with their host (``WorkerFate.host_gone``: their round is broken, the
+An agent is lost when nothing was heard from it for the heartbeat timeout, or when its
+waiting poll's connection closed and it did not poll again within ``CLOSED_GRACE`` (its
+process killed: no need to wait out the timeout): its workers then count as lost with
+their host (``WorkerFate.host_gone``: their round is broken, the
 survivors recover as from a host loss, nothing is blacklisted: the host left with its
 agent, and an agent that comes back is a host added). A graceful leave (SIGTERM to the
 agent) takes the host off the list: its workers leave at their next check, as when
