@@ -244,6 +244,7 @@ def test_agents_refused_each_in_one_line_and_no_secret_printed(job: Job, agents:
     assert "Rendezvous service rejected" in job.stderr()
 
 
+@pytest.mark.slow
 def test_an_agent_cut_off_is_lost_its_worker_stopped_and_it_joins_again_once_healed(
         job: Job, agents: Agents, hosts: NamespacedHosts, capsys: pytest.CaptureFixture[str]) -> None:
     h1, h2, h3 = hosts.names
@@ -279,6 +280,7 @@ def test_an_agent_cut_off_is_lost_its_worker_stopped_and_it_joins_again_once_hea
         heartbeat_timeout=HEARTBEAT_TIMEOUT)
 
 
+@pytest.mark.slow
 def test_a_rolling_replacement_of_every_agent_never_loses_the_state(job: Job, agents: Agents,
                                                                      hosts: NamespacedHosts) -> None:
     # As a Deployment's rolling update does: new pods first, then each old one deleted
