@@ -21,6 +21,7 @@ from lightning_elastic import __version__
 from lightning_elastic.launcher.command import check_command, check_script, with_python
 from lightning_elastic.launcher.config import (
     STATE_DIR_WITH_SLURM,
+    AgentsSettings,
     LaunchConfig,
     RaySettings,
     SlurmSettings,
@@ -30,6 +31,7 @@ from lightning_elastic.launcher.config import (
 from lightning_elastic.launcher.hosts.discovery import SCRIPT_TIMEOUT
 from lightning_elastic.launcher.driver.launch import launch
 from lightning_elastic.launcher.errors import ConfigError
+from lightning_elastic.launcher.secret_source import ENV_SECRET, read_secret
 from lightning_elastic.launcher.job.slots import HostSlots, count_slots, parse_host_list, parse_hostfile
 from lightning_elastic.launcher.observe.log_writer import BackgroundStreamHandler
 from lightning_elastic.launcher.hosts.network import explicit_driver_address
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timeline.add_argument("log_dir", type=Path, metavar="LOGDIR", help="the --log-dir of a launch")
     timeline.add_argument("-o", "--output", type=Path, metavar="PNG", help="where to write (default: LOGDIR/timeline.png)")
+    add_agent_parser(sub)
     run = sub.add_parser(
         "launch",
         help="run a training command elastically",
@@ -99,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--slurm", action="store_true",
                         help="run inside a Slurm allocation (sbatch, salloc): its nodes are the hosts, each worker "
                              "an srun step; a node that leaves the allocation leaves the job")
+    run.add_argument("--agents", action="store_true",
+                     help="hosts also come from agents that connect by themselves (lightning-elastic agent, e.g. "
+                          "one per Kubernetes pod); the job may start with none and wait for them; needs --port, "
+                          "--driver-address or --network-interface, and the job secret (--secret-file)")
+    run.add_argument("--secret-file", type=Path, metavar="PATH",
+                     help="with --agents: the job secret the agents hold too, from this file (a mounted Kubernetes "
+                          "Secret) or from LIGHTNING_ELASTIC_SECRET; never printed")
     run.add_argument("--slurm-jobs", metavar="JOB[,JOB...]",
                      help="with --slurm: the nodes of these other allocations are hosts too, once they run "
                           "(capacity that arrives as more jobs); a JOB is an id, or a name that takes in "
@@ -193,6 +203,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_agent_parser(sub: Any) -> None:
+    agent = sub.add_parser(
+        "agent",
+        help="offer this machine's slots to a job (launch --agents) and run its workers here",
+        allow_abbrev=False,
+        description="Connect to the driver of a job started with launch --agents, offer this host and its slots, "
+                    "and run the workers the driver assigns here. Outbound connections only (no sshd). SIGTERM is a "
+                    f"graceful leave. The job secret comes from --secret-file or {ENV_SECRET}.",
+    )
+    agent.add_argument("--driver", required=True, metavar="HOST:PORT",
+                       help="where the driver serves (its --driver-address or a name for it, and its --port)")
+    agent.add_argument("--slots", type=int, default=1, metavar="N", help="workers to run here (default: 1)")
+    agent.add_argument("--host-name", metavar="NAME",
+                       help="this host's name in the job, unique among its agents (default: the machine's host name)")
+    agent.add_argument("--secret-file", type=Path, metavar="PATH",
+                       help=f"the job secret (a mounted Kubernetes Secret); default: {ENV_SECRET}")
+    agent.add_argument("--leave-timeout", type=float, default=20.0, metavar="SECONDS",
+                       help="after SIGTERM, how long the workers have to leave the job before the agent stops them "
+                            "(default: 20; a pod's terminationGracePeriodSeconds must be longer)")
+    agent.add_argument("--verbose", action="store_true", help="log in detail")
+
+
+def agent_settings(args: argparse.Namespace) -> Any:
+    """The agent's settings from its command line; ConfigError in one line for a bad input."""
+    import socket  # noqa: PLC0415
+
+    from lightning_elastic.launcher.agent.run import AgentSettings  # noqa: PLC0415
+
+    host, sep, port = args.driver.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--driver: expected HOST:PORT (the driver's address and its --port), got {args.driver!r}")
+    if args.slots < 1:
+        raise ConfigError(f"--slots: expected 1 or more, got {args.slots}")
+    if not (args.leave_timeout > 0 and args.leave_timeout < float("inf")):
+        raise ConfigError(f"--leave-timeout: expected a positive number of seconds, got {args.leave_timeout}")
+    return AgentSettings(driver_host=host.strip("[]"), driver_port=int(port), slots=args.slots,
+                         host_name=args.host_name or socket.gethostname(), secret=read_secret(args.secret_file),
+                         leave_timeout=args.leave_timeout)
+
+
+def run_agent_verb(args: argparse.Namespace) -> int:
+    from lightning_elastic.launcher.agent.run import run_agent  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="lightning-elastic agent %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        settings = agent_settings(args)
+    except ConfigError as err:
+        print(f"{PROG} agent: error: {err}", file=sys.stderr)
+        return 2
+    return run_agent(settings)
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     command = list(args.command)
     if command and command[0] == "--":
@@ -210,6 +273,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     ray = ray_settings(args)
     slurm = slurm_from_args(args)
     np_ = args.np
+    agents = None
+    if args.agents:
+        agents = AgentsSettings(secret=read_secret(args.secret_file))
+        if np_ is None:
+            raise ConfigError("-np: required with --agents")
+    elif args.secret_file is not None:
+        raise ConfigError("--secret-file: only with --agents (otherwise the driver draws the job's secret itself)")
     if np_ is None:
         if script is not None:
             raise ConfigError("-np: required with --host-discovery-script")
@@ -219,7 +289,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             np_ = slurm_slots(slurm, os.environ)
         else:
             np_ = count_slots(hosts) if hosts is not None else 1
-    if hosts is None and script is None and ray is None and slurm is None:
+    if hosts is None and script is None and ray is None and slurm is None and agents is None:
         hosts = [HostSlots("localhost", np_)]
     if script is not None and not (script.is_file() and os.access(script, os.X_OK)):
         raise ConfigError(f"--host-discovery-script: {script} is not an executable file")
@@ -273,6 +343,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         preload=tuple(name.strip() for name in args.preload.split(",")) if args.preload is not None else (),
         verbose=args.verbose,
         snapshots=snapshot_settings(args),
+        agents=agents,
     )
 
 
@@ -491,6 +562,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 2
     if args.verb == "timeline":
         return draw_timeline(args.log_dir, args.output)
+    if args.verb == "agent":
+        return run_agent_verb(args)
     # Written by a thread of its own: the driver logs while the service waits on it, and a
     # stderr that stops draining must not stop the driver (launcher/observe/log_writer.py).
     log_output = BackgroundStreamHandler(sys.stderr)

@@ -169,6 +169,14 @@ class SlurmSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentsSettings:
+    """--agents: hosts also come from agents that connect by themselves (``lightning-elastic
+    agent``), with the job's secret, which they hold too (``--secret-file``)."""
+
+    secret: str = dataclasses.field(repr=False)  # never in a log line or a traceback
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     command: tuple[str, ...]
     np: int
@@ -215,6 +223,9 @@ class LaunchConfig:
     # --preload: modules each machine's fork server imports once; the workers there are
     # forked from it instead of importing them each (launcher/processes/warm_start.py).
     preload: tuple[str, ...] = ()
+    # --agents: agents that connect by themselves are hosts of the job too (the only ones
+    # when no other host source is given).
+    agents: AgentsSettings | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -251,14 +262,17 @@ class LaunchConfig:
                               f"to fork from, got {self.command[0]!r}")
         if self.spares < 0:
             raise ConfigError(f"--spares: expected 0 or more workers, got {self.spares}")
-        if self.hosts is not None and count_slots(self.hosts) < self.np:
+        if self.agents is not None:
+            self._check_agents()
+        if self.hosts is not None and count_slots(self.hosts) < self.np and self.agents is None:
             listed = ",".join(f"{h.host}:{h.slots}" for h in self.hosts)
             raise ConfigError(
                 f"-np {self.np}: the fixed host list {listed} has {count_slots(self.hosts)} slot(s) and can never "
                 "grow; give more hosts, a smaller -np, or a --host-discovery-script"
             )
         sources = (self.hosts, self.discovery_script, self.ray, self.slurm)
-        if sum(source is not None for source in sources) != 1:
+        given = sum(source is not None for source in sources)
+        if given != 1 and not (self.agents is not None and given == 0):
             raise ConfigError("give exactly one host source: -H/--hosts, --hostfile, --host-discovery-script, "
                               "--ray or --slurm")
         # Written as "not > 0" so NaN fails too (every comparison with NaN is False); inf is
@@ -292,3 +306,15 @@ class LaunchConfig:
                 raise ConfigError(
                     f"--blacklist-cooldown-range: expected 0 <= MIN <= MAX, got {low} {high}"
                 )
+
+    def _check_agents(self) -> None:
+        """What --agents needs: a known place to connect to, and workers it can serve."""
+        if self.port is None:
+            raise ConfigError("--agents: needs --port (the one port the agents connect to, e.g. --port 29400)")
+        if self.driver_address is None and self.network_interface is None:
+            raise ConfigError("--agents: needs --driver-address or --network-interface (the address the agents "
+                              "and their workers reach the driver at)")
+        for option, given in (("--state-dir", self.state_dir), ("--ray", self.ray), ("--slurm", self.slurm),
+                              ("--preload", self.preload or None)):
+            if given is not None:
+                raise ConfigError(f"--agents: not supported with {option} yet")

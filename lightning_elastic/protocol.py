@@ -66,8 +66,8 @@ ENV_CUDA_DEVICE = "LIGHTNING_ELASTIC_CUDA_DEVICE"
 # The protocol's version, on every request and reply: a worker and a driver of different
 # versions refuse each other with a message that says so (2: the store's MULTI_GET; 3: a
 # hot spare's WAIT says so; 4: store writes carry a request id; 5: a round-lost question
-# says how long it may wait for the driver's verdict on a silent peer).
-PROTOCOL_VERSION = 5
+# says how long it may wait for the driver's verdict on a silent peer; 6: agents join the job).
+PROTOCOL_VERSION = 6
 HEADER_PROTOCOL = "X-Elastic-Protocol"
 HEADER_TIMESTAMP = "X-Elastic-Timestamp"  # integer seconds of the sender's wall clock
 HEADER_NONCE = "X-Elastic-Nonce"  # 32 hex digits, never sent twice: see NonceSequence
@@ -281,6 +281,112 @@ class StoreReply:
     values: tuple[str, ...] = ()  # base64: MULTI_GET's, in the order of its keys, once all exist
 
 
+# ----- agents (``lightning-elastic agent``): capacity that joins by itself ---------------
+#
+# An agent runs on a machine or in a pod, connects to the driver (outbound only), offers its
+# host and slots, then carries out the driver's orders there: start a worker, signal one.
+# It speaks the same signed channel as the workers: every request signed with the job
+# secret (the driver refuses a wrong or replayed one), every reply signed for the request's
+# own nonce (the agent refuses a reply the driver did not sign: nothing starts on an agent
+# that cannot prove the driver knows the secret). Orders and worker events are numbered and
+# acknowledged, so a lost reply never loses or repeats one.
+
+PATH_AGENT_JOIN = "/v1/agent/join"
+PATH_AGENT_POLL = "/v1/agent/poll"  # long poll: the agent's orders, and its heartbeat
+PATH_AGENT_REPORT = "/v1/agent/report"  # its workers' starts, output and exits
+PATH_AGENT_LEAVE = "/v1/agent/leave"
+AGENT_OUTPUT_CHARS = 16 * 1024  # the most worker output one event carries (MAX_BODY bounds a request)
+AGENT_EVENTS_PER_REPORT = 3  # events per report: with their output, within the service's MAX_BODY
+
+
+class AgentOrderKind(str, Enum):
+    START = "start"  # start worker ``worker_id`` with command, env and cwd
+    SIGNAL = "signal"  # send ``signal`` to the worker's process group
+
+
+class AgentEventKind(str, Enum):
+    STARTED = "started"  # the worker runs as ``pid``
+    OUTPUT = "output"  # ``output``: what it printed (stdout and stderr, as text)
+    EXITED = "exited"  # it ended: ``status``, or killed by ``signal``
+    NOT_STARTED = "not_started"  # its command could not be started: ``detail`` says why
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentJoin:
+    agent_id: str  # drawn once per agent process: a reconnect of the same agent says so
+    host: str
+    slots: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentJoinReply:
+    accepted: bool
+    reason: str = ""  # why the agent is refused (one line)
+    poll_seconds: float = 0.0  # how long the driver holds a poll: the agent's heartbeat period
+    heartbeat_timeout: float = 0.0  # silent this long, an agent is lost (and stops its workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentOrder:
+    number: int  # 1, 2, ... per agent: carried out once, in order
+    kind: AgentOrderKind
+    worker_id: str
+    command: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()  # NAME=VALUE, laid over the agent's own environment
+    cwd: str = ""
+    signal: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentPoll:
+    agent_id: str
+    wait_seconds: float
+    orders_through: int  # the highest order number the agent has received
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentPollReply:
+    orders: tuple[AgentOrder, ...] = ()  # those past orders_through, in order
+    # The driver no longer counts this agent (lost, refused, the job is over): it stops its
+    # workers and joins again, or exits once it is leaving.
+    dropped: bool = False
+    reason: str = ""
+    ended: bool = False  # (with dropped) the job is over: the agent exits
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentEvent:
+    number: int  # 1, 2, ... per agent: taken once, in order
+    kind: AgentEventKind
+    worker_id: str
+    pid: int = 0
+    status: int = 0  # EXITED: the exit status ...
+    signal: int = 0  # ... or the signal that killed it (status then 0)
+    output: str = ""
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentReport:
+    agent_id: str
+    events: tuple[AgentEvent, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentReportReply:
+    through: int  # the highest event number the driver has taken
+    dropped: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentLeave:
+    """SIGTERM reached the agent: ``gone`` False: its host leaves the job (its workers leave at
+    their next check); True: its workers have all ended and it exits now."""
+
+    agent_id: str
+    gone: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Ack:
     ok: bool = True
@@ -407,9 +513,16 @@ def _as_dict(message: Any) -> dict[str, Any]:
     """A message's fields by name, a nested message as a dict: ``dataclasses.asdict``
     without its deep copy of every value (over half of encoding an assignment, which the
     driver does for every member of a round at once). Fields hold JSON values, enums,
-    tuples of strings or messages."""
-    return {name: _as_dict(value) if hasattr(value, "__dataclass_fields__") else value
+    tuples of strings, messages or tuples of messages."""
+    return {name: _as_dict(value) if hasattr(value, "__dataclass_fields__") else _items(value)
             for name in _field_names(type(message)) for value in (getattr(message, name),)}
+
+
+def _items(value: Any) -> Any:
+    """A tuple of messages (an agent's orders, its events) as a list of dicts; else as it is."""
+    if type(value) is tuple and value and hasattr(value[0], "__dataclass_fields__"):
+        return [_as_dict(item) for item in value]
+    return value
 
 
 @functools.lru_cache(maxsize=None)

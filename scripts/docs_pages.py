@@ -40,6 +40,7 @@ PAGES: dict[str, tuple[str, ...]] = {
     "multiple-machines.md": ("# Multiple machines", Section("machines")),
     "ray.md": ("# Running on Ray", Section("ray")),
     "slurm.md": ("# Running on Slurm", Section("slurm")),
+    "kubernetes.md": ("# Running on Kubernetes", Section("kubernetes")),
     "faults.md": ("# Faults and how a job ends", Section("faults")),
 }
 

@@ -40,6 +40,7 @@ if [ "$full" = 0 ]; then
 fi
 
 lane_b=(
+    tests/integration/test_agents.py
     tests/integration/test_bad_inputs.py tests/integration/test_broken_stdout.py
     tests/integration/test_chaos_loop.py tests/integration/test_driver_restart.py
     tests/integration/test_elastic_launch.py tests/integration/test_fleet.py

@@ -87,7 +87,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
 
     top = cli.build_parser()
     return {"lightning-elastic": top, "launch": cli.verb_parser(top, "launch"),
-            "timeline": cli.verb_parser(top, "timeline")}
+            "timeline": cli.verb_parser(top, "timeline"), "agent": cli.verb_parser(top, "agent")}
 
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:
@@ -110,7 +110,7 @@ def test_every_cli_option_is_in_the_option_tables_and_every_option_there_is_the_
     text = (REPO / document).read_text()
     parsers = _parsers()
     launch = _options(parsers["launch"]) - {"-h", "--help"}
-    others = _options(parsers["lightning-elastic"]) | _options(parsers["timeline"])
+    others = _options(parsers["lightning-elastic"]) | _options(parsers["timeline"]) | _options(parsers["agent"])
     in_launch_table, in_other_table = _table_options(text, LAUNCH_TABLE), _table_options(text, OTHER_TABLE)
     assert launch - in_launch_table == set(), f"{document}: launch options without a row"
     assert in_launch_table - launch == set(), f"{document}: rows for options launch does not have"
@@ -123,7 +123,8 @@ def test_the_readmes_synopsis_names_every_launch_option_and_no_other() -> None:
     synopsis = readme[readme.index("```\nlightning-elastic --version\n"):readme.index("COMMAND [ARGS...]\n```")]
     named = set(OPTION.findall(synopsis.replace("[ARGS...]", "")))
     parsers = _parsers()
-    every = _options(parsers["launch"]) | _options(parsers["timeline"]) | _options(parsers["lightning-elastic"])
+    every = (_options(parsers["launch"]) | _options(parsers["timeline"]) | _options(parsers["lightning-elastic"])
+             | _options(parsers["agent"]))
     assert named - every == set(), "the synopsis names options no command has"
     for action in parsers["launch"]._actions:  # noqa: SLF001
         if action.option_strings and action.dest != "help":

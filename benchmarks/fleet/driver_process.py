@@ -34,7 +34,10 @@ sys.path.insert(0, str(REPO))
 from benchmarks.fleet.gc_pauses import GcPauses  # noqa: E402
 from lightning_elastic import protocol as p  # noqa: E402
 from lightning_elastic.launcher.restart.adoption import StateKeeping  # noqa: E402
-from lightning_elastic.launcher.config import LaunchConfig, Timeouts  # noqa: E402
+from lightning_elastic.launcher.config import AgentsSettings, LaunchConfig, Timeouts  # noqa: E402
+from lightning_elastic.launcher.processes.agent import AgentLauncher  # noqa: E402
+from lightning_elastic.launcher.processes.output import OutputSink  # noqa: E402
+from lightning_elastic.launcher.service.agent_board import AgentBoard  # noqa: E402
 from lightning_elastic.launcher.hosts.discovery import FixedHosts  # noqa: E402
 from lightning_elastic.launcher.driver.driver import Driver  # noqa: E402
 from lightning_elastic.launcher.job.slots import HostSlots  # noqa: E402
@@ -133,6 +136,10 @@ def main() -> int:
     parser.add_argument("--heartbeat-interval", type=float, help="default: the driver's own choice")
     parser.add_argument("--elastic-timeout", type=float, default=300.0)
     parser.add_argument("--state-dir", type=Path, help="as launch --state-dir: a second start adopts the job")
+    parser.add_argument("--agents", action="store_true",
+                        help="as launch --agents with no other host: the simulator's agents join on --port")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--secret-file", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="driver %(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     # The wall clock once the imports are done: the simulator subtracts the process's spawn.
@@ -144,6 +151,8 @@ def main() -> int:
         elastic_timeout=args.elastic_timeout, state_dir=args.state_dir,
         timeouts=Timeouts(heartbeat_timeout=args.heartbeat_timeout, heartbeat_interval=args.heartbeat_interval),
     )
+    if args.agents:
+        return run_with_agents(args)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     control.connect(args.control)
     launcher = SimulatedLauncher(control)
@@ -153,6 +162,26 @@ def main() -> int:
         state_dir.lock()
         keeping = StateKeeping(state_dir, adopt=launcher.adopt)
     driver = Driver(config, FixedHosts(config.hosts), launcher, is_local=lambda _host: True, keeping=keeping)
+    gc_pauses = GcPauses()
+    result = driver.run()
+    print(json.dumps({**dataclasses.asdict(result), "gc_pauses": gc_pauses.pauses}), flush=True)
+    return 0 if result.success else 1
+
+
+def run_with_agents(args: argparse.Namespace) -> int:
+    """The real driver of ``launch --agents``, its workers started by the simulator's agents
+    (``benchmarks/fleet/simulated_agents.py``) over the real agent protocol."""
+    secret = args.secret_file.read_text().strip()
+    config = LaunchConfig(
+        command=("simulated",), np=args.workers, min_np=1, max_np=args.workers, hosts=None,
+        agents=AgentsSettings(secret), port=args.port, driver_address="127.0.0.1",
+        elastic_timeout=args.elastic_timeout,
+        timeouts=Timeouts(heartbeat_timeout=args.heartbeat_timeout, heartbeat_interval=args.heartbeat_interval),
+    )
+    t = config.timeouts
+    board = AgentBoard(config.max_np, t.heartbeat_timeout, t.heartbeat_period)
+    launcher = AgentLauncher(board, None, OutputSink(open("/dev/null", "w")))  # noqa: SIM115 - for the run
+    driver = Driver(config, FixedHosts(()), launcher, is_local=lambda _host: True, agents=board, secret=secret)
     gc_pauses = GcPauses()
     result = driver.run()
     print(json.dumps({**dataclasses.asdict(result), "gc_pauses": gc_pauses.pauses}), flush=True)

@@ -49,6 +49,7 @@ from lightning_elastic.launcher.processes.base import WorkerLauncher, WorkerProc
 from lightning_elastic.launcher.processes.exit_watch import ExitWatcher
 from lightning_elastic.launcher.restart import adoption
 from lightning_elastic.launcher.restart import resume as snapshots
+from lightning_elastic.launcher.service.agent_board import AgentBoard
 from lightning_elastic.launcher.service.registry import Registry
 from lightning_elastic.launcher.service.rendezvous_server import RendezvousServer
 
@@ -71,6 +72,8 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Executor):
         events: EventLog | None = None,
         resolves: Callable[[str], bool] | None = None,
         keeping: adoption.StateKeeping | None = None,
+        agents: AgentBoard | None = None,
+        secret: str | None = None,
     ) -> None:
         self._config = config
         self._events = events if events is not None else EventLog(config.log_dir)
@@ -92,7 +95,13 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Executor):
         # Until the loop starts, an adopting driver is still taking the job over: should it
         # fail then, the job stays in the state dir for the next driver (lifecycle._shutdown).
         self._taking_over = self._adopting
-        self._secret = keeping.secret if keeping is not None else secrets.token_hex(32)
+        # The job's secret: the state dir's (a restarted driver's workers hold it), the one
+        # given for the agents (--agents: they hold it too), or drawn for this job.
+        self._secret = keeping.secret if keeping is not None else secret or secrets.token_hex(32)
+        # --agents: the agents connected to the service, a host source beside discovery.
+        self._agents = agents
+        self._agents_version = 0
+        self._discovered: list = []  # discovery's newest good result (host_intake.py)
         self._adoption_watch: adoption.AdoptionWatch | None = None  # until the adopted workers are back
         self._save_pacing = adoption.SavePacing()
         self._server: RendezvousServer | None = None
@@ -102,10 +111,11 @@ class Driver(Lifecycle, HostIntake, WorkerStarts, Reaping, Keeping, Executor):
         self._gc = ServiceGc(clock)  # no full collection while a round forms (gc_policy.py)
         self._exit_watcher: ExitWatcher | None = None  # wakes the loop at a child's exit (run())
         self._discovery_seq = 0
-        # What the core's rules need besides the state. A fixed host list never grows; with no
-        # blacklist cooldown a blacklisted host never returns.
+        # What the core's rules need besides the state. A fixed host list never grows (unless
+        # agents add hosts); with no blacklist cooldown a blacklisted host never returns.
         self._prepare: Callable[[WorkerSpec], None] | None = getattr(launcher, "prepare", None)
-        self._rules = Rules(config, fixed_hosts=isinstance(discovery, FixedHosts) and config.blacklist_cooldown is None,
+        self._rules = Rules(config, fixed_hosts=isinstance(discovery, FixedHosts) and agents is None
+                            and config.blacklist_cooldown is None,
                             prepare_hosts=self._prepare is not None)
         self._pending_starts: list[_PendingStart] = []  # planned by a pass, started after it
         # --preload: fork servers to start after the pass (WarmStarts.prepare).

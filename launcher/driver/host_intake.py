@@ -19,14 +19,37 @@ class HostIntake:
 
     def _take_discovery(self) -> HostsListed | None:
         """Discovery's newest result for the core, with the hosts the driver cannot use left
-        out (said once each); None when there is nothing new."""
+        out (said once each); None when there is nothing new.
+
+        With ``--agents`` the hosts connected agents offer come after discovery's, taken in
+        the same turn as they change: a lost agent's host is gone from the list in the turn
+        its workers are reaped, so no new worker is planned on it.
+        """
         latest = self._discovery.latest()
-        if latest is None or latest.sequence == self._discovery_seq:
+        agents = self._agents
+        if agents is not None:
+            agents.expire()
+        agents_version = agents.version if agents is not None else 0
+        if ((latest is None or latest.sequence == self._discovery_seq)
+                and agents_version == self._agents_version):
             return None
-        self._discovery_seq = latest.sequence
-        if latest.hosts is None:
-            return HostsListed(None, latest.error)
-        return HostsListed(tuple(h for h in latest.hosts if self._reachable(h.host)), latest.error)
+        self._agents_version = agents_version
+        if latest is not None and latest.sequence != self._discovery_seq:
+            self._discovery_seq = latest.sequence
+            if latest.hosts is None:
+                return HostsListed(None, latest.error)
+            self._discovered = list(latest.hosts)  # kept for the turns in which only agents change
+        discovered = {h.host for h in self._discovered}
+        offered = []
+        for host in agents.hosts() if agents is not None else []:
+            if host.host in discovered:  # one host, one source: its workers would start twice
+                self._refuse(host.host, "an agent offers it and the host source lists it too; give the agent "
+                                        "another --host-name, or list the host in one place")
+            else:
+                offered.append(host)
+        listed = [*self._discovered, *offered]
+        return HostsListed(tuple(h for h in listed if self._reachable(h.host)),
+                           latest.error if latest is not None else None)
 
     def _reachable(self, host: str) -> bool:
         """A remote host cannot reach services bound to loopback: refuse it, say how to fix it."""

@@ -18,6 +18,7 @@ from lightning_elastic.launcher.errors import ConfigError
 from lightning_elastic.launcher.hosts.discovery import FixedHosts, HostDiscovery, ScriptDiscovery
 from lightning_elastic.launcher.hosts.network import HostClassifier
 from lightning_elastic.launcher.observe.events import prepare_log_dir
+from lightning_elastic.launcher.processes.agent import AgentLauncher
 from lightning_elastic.launcher.processes.base import HostRouter, WorkerLauncher, WorkerProcess
 from lightning_elastic.launcher.processes.detached import DetachedLauncher
 from lightning_elastic.launcher.processes.local import LocalLauncher
@@ -27,6 +28,7 @@ from lightning_elastic.launcher.processes.warm_start import WarmStarts
 from lightning_elastic.launcher.restart import adoption
 from lightning_elastic.launcher.job.state import WorkerRecord
 from lightning_elastic.launcher.restart.state_dir import StateDir
+from lightning_elastic.launcher.service.agent_board import AgentBoard
 
 log = logging.getLogger("lightning_elastic.driver")
 
@@ -34,8 +36,8 @@ log = logging.getLogger("lightning_elastic.driver")
 def make_discovery(config: LaunchConfig) -> HostDiscovery:
     if config.discovery_script is not None:
         return ScriptDiscovery(config.discovery_script, config.slots_per_host, config.timeouts.discovery)
-    assert config.hosts is not None
-    return FixedHosts(config.hosts)
+    # --agents alone: every host comes from an agent (driver/host_intake.py).
+    return FixedHosts(config.hosts if config.hosts is not None else ())
 
 
 def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
@@ -102,9 +104,15 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
             local = LocalLauncher(sink)
         router: WorkerLauncher = HostRouter(local, ssh, classifier.is_local)
         warm = WarmStarts(router, config.preload, classifier.is_local, p.ENV_SECRET_FD) if config.preload else None
+        board = None
+        if config.agents is not None:  # hosts an agent serves get their workers through it
+            t = config.timeouts
+            board = AgentBoard(config.max_np, t.heartbeat_timeout, t.heartbeat_period)
+            router = AgentLauncher(board, router, sink)
         try:
             result = run_driver(Driver(config, make_discovery(config), warm or router, classifier.is_local,
-                                       resolves=classifier.resolves, keeping=keeping))
+                                       resolves=classifier.resolves, keeping=keeping, agents=board,
+                                       secret=config.agents.secret if config.agents is not None else None))
         finally:
             if warm is not None:
                 warm.close()  # the fork servers, after the driver stopped their workers

@@ -45,7 +45,7 @@ class Lifecycle:
             not_before = adoption.not_before(self._keeping.started)  # type: ignore[union-attr]
         self._server = RendezvousServer(self._registry, self._secret, host=self._address,
                                         listen_queue=listen_queue_for(workers), limits=limits_for(workers),
-                                        port=port or 0, not_before=not_before)
+                                        port=port or 0, not_before=not_before, agents=self._agents)
         try:
             self._server.listen()
         except OSError as err:
@@ -138,6 +138,10 @@ class Lifecycle:
         if any(p_.poll() is None for p_ in procs):
             log.info("Stopping %d worker process(es).", sum(p_.poll() is None for p_ in procs))
         stop_all(procs, self._config.timeouts.stop_grace)
+        if self._agents is not None:
+            # Every agent's poll says the job is over before the service closes (a poll
+            # comes every heartbeat period): else they would go on waiting for a driver.
+            self._agents.close(timeout=self._config.timeouts.heartbeat_period + 1.0)
         if self._exit_watcher is not None:
             self._exit_watcher.close()
         self._gc.stop()

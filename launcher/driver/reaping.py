@@ -42,5 +42,6 @@ class Reaping:
                     deadline = self._clock() + self._config.timeouts.last_output
                 proc.finish_output(max(0.0, deadline - self._clock()))
                 last_line = proc.last_line()
-            exits.append(Exited(record.worker_id, status, proc.exit_detail(), last_line))
+            exits.append(Exited(record.worker_id, status, proc.exit_detail(), last_line,
+                                getattr(proc, "host_gone", False)))
         return tuple(exits)

@@ -52,6 +52,10 @@ class ExitFacts:
     # a driver for its whole --driver-patience (a status of this driver's own workers is theirs).
     gave_up_on_driver: bool = False
     last_line: str = ""  # its last output line (kept for a worker that failed before it joined)
+    # Lost with its host's agent (lost or gone, ``launcher/service/agent_board.py``): the host
+    # left the job with its agent, so there is nothing to blacklist; an agent that comes
+    # back is a host added.
+    host_gone: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +108,7 @@ def classify_exit(facts: ExitFacts) -> ExitVerdict:
         ExitKind.FAILED,
         failure_text(f),
         break_round=f.in_round and not f.finishing,
-        blacklist=not f.finishing,
+        blacklist=not f.finishing and not f.host_gone,
         host_failed=bool(f.detail),
         # A script that ran and ended without joining; not a lost host (``detail``).
         never_joined=f.status == 0 and not f.joined and not f.detail,

@@ -42,6 +42,7 @@ class Exited:
     status: int
     detail: str = ""
     last_line: str = ""  # its last output line, for a worker that failed before it joined
+    host_gone: bool = False  # lost with its host's agent: nothing to blacklist (job/exits.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,8 @@ def _apply_exit(state: JobState, record: WorkerRecord, exited: Exited, now: floa
         record.worker_id, status, exited.detail, report.outcome if report else None,
         report.message if report else "", record.joined, record.leave, record.departing,
         record.kill_reason, state.current_member(record), finishing,
-        gave_up_on_driver=record.adopted and status == EXIT_DRIVER_GONE, last_line=exited.last_line))
+        gave_up_on_driver=record.adopted and status == EXIT_DRIVER_GONE, last_line=exited.last_line,
+        host_gone=exited.host_gone))
     worker, host = record.worker_id, record.slot.host
     if verdict.kind is ExitKind.DONE:
         record.state = WorkerState.DONE

@@ -18,6 +18,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+from lightning_elastic.launcher.service.agent_board import AgentBoard
 from lightning_elastic.launcher.service.http_connection import ConnectionLimits, HttpConnection, HttpRequest, HttpResponse
 from lightning_elastic.launcher.service.long_poll import LongPoll, LoopWaker
 from lightning_elastic.launcher.service.registry import Registry, UnknownWorker
@@ -91,6 +92,7 @@ class RendezvousServer:
         limits: ConnectionLimits | None = None,
         port: int = 0,
         not_before: float | None = None,
+        agents: AgentBoard | None = None,
     ) -> None:
         self._registry = registry
         # A driver that adopted a job (--state-dir) refuses requests signed before it started:
@@ -120,6 +122,13 @@ class RendezvousServer:
             p.PATH_LEAVE: (p.LeaveRequest, self._registry.leave),
             p.PATH_STORE: (p.StoreRequest, self._store.poll),
         }
+        if agents is not None:  # launch --agents: the same signed channel, four more paths
+            self._routes.update({
+                p.PATH_AGENT_JOIN: (p.AgentJoin, agents.join),
+                p.PATH_AGENT_POLL: (p.AgentPoll, agents.poll),
+                p.PATH_AGENT_REPORT: (p.AgentReport, agents.report),
+                p.PATH_AGENT_LEAVE: (p.AgentLeave, agents.leave),
+            })
         self.rejected = 0  # requests refused for auth or form; shown in the job summary
         self.late_requests = 0  # from workers already finished (answered 409, not rejections)
 

@@ -49,6 +49,20 @@ MESSAGES = [
     p.StoreReply(True, "AAE="),
     p.StoreReply(False),
     p.StoreReply(True, count=7),
+    p.AgentJoin("0" * 32, "pod-a", 2),
+    p.AgentJoinReply(True, poll_seconds=2.5, heartbeat_timeout=10.0),
+    p.AgentJoinReply(False, "another agent is connected for host pod-a"),
+    p.AgentPoll("0" * 32, 2.5, 7),
+    p.AgentPollReply((p.AgentOrder(8, p.AgentOrderKind.START, "pod-a[0]#3", ("python", "t.py"), ("RANK=0",), "/w"),
+                      p.AgentOrder(9, p.AgentOrderKind.SIGNAL, "pod-a[0]#3", signal=15))),
+    p.AgentPollReply(dropped=True, reason="the job ended", ended=True),
+    p.AgentReport("0" * 32, (p.AgentEvent(1, p.AgentEventKind.STARTED, "w", pid=42),
+                             p.AgentEvent(2, p.AgentEventKind.OUTPUT, "w", output="ünï ✓\r"),
+                             p.AgentEvent(3, p.AgentEventKind.EXITED, "w", signal=9))),
+    p.AgentReportReply(3),
+    p.AgentOrder(1, p.AgentOrderKind.SIGNAL, "w", signal=10),
+    p.AgentEvent(4, p.AgentEventKind.NOT_STARTED, "w", detail="cannot start 'python': No such file"),
+    p.AgentLeave("0" * 32, gone=True),
 ]
 
 

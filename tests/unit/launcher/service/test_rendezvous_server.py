@@ -490,7 +490,7 @@ def test_client_accepts_a_reply_signed_for_its_request():
     _ask(FakeDriver(_good))  # the control for the tampered replies below
 
 
-@pytest.mark.parametrize("version", [None, "1", "2", "3", "4", "6"])
+@pytest.mark.parametrize("version", [None, "1", "2", "3", "4", "5", "7"])
 def test_client_refuses_a_driver_of_another_protocol_version_saying_so(version):
     said = "an older protocol (no version)" if version is None else f"protocol version {version}"
     with pytest.raises(RendezvousError, match=rf"the driver speaks {re.escape(said)} and the worker version "
@@ -498,7 +498,7 @@ def test_client_refuses_a_driver_of_another_protocol_version_saying_so(version):
         _ask(FakeDriver(_good, version=version))
 
 
-@pytest.mark.parametrize("version", [None, "1", "2", "3", "4", "6"])
+@pytest.mark.parametrize("version", [None, "1", "2", "3", "4", "5", "7"])
 def test_driver_refuses_a_worker_of_another_protocol_version_saying_so(server, w, rejected, version):
     body = p.to_json(heartbeat(w[0]))
     headers = sign(p.PATH_HEARTBEAT, body)

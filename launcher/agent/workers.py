@@ -1,0 +1,165 @@
+"""The workers an agent runs on its machine, and what it has to tell the driver about them.
+
+A worker starts as an ssh-started one does under its supervisor (``node/supervisor.py``):
+in a session of its own, dying with the agent (PR_SET_PDEATHSIG: an agent SIGKILLed
+takes its workers along), the job secret through an inherited pipe, the collectives on
+the interface that reaches the driver. Its output and exit become numbered events
+(``protocol.AgentEvent``) that the agent's reporter sends, in order, until the driver
+acknowledged them.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import threading
+
+from lightning_elastic import protocol as p
+from lightning_elastic.launcher.hosts.network import collective_interface_env
+from lightning_elastic.launcher.node.spawn import end_leftovers_at_exit, signal_group, spawn_worker
+from lightning_elastic.launcher.secret_source import ENV_SECRET
+
+OUTPUT_CHUNK = 4096  # bytes of output per event: many events fit one report
+REPORT_BYTES = 48 * 1024  # the most event text one report carries (the service takes 64 KiB)
+OUTPUT_AFTER_EXIT = 2.0  # how long the output of an exited worker may still take to drain
+
+
+class Events:
+    """Numbered events waiting for the driver's acknowledgement (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: list[p.AgentEvent] = []
+        self._next = 1
+
+    def add(self, kind: p.AgentEventKind, worker_id: str, **fields: object) -> None:
+        with self._cond:
+            self._pending.append(p.AgentEvent(self._next, kind, worker_id, **fields))  # type: ignore[arg-type]
+            self._next += 1
+            self._cond.notify_all()
+
+    def batch(self, timeout: float) -> tuple[p.AgentEvent, ...]:
+        """The oldest unacknowledged events that fit one report; () after ``timeout`` with none."""
+        with self._cond:
+            if not self._pending:
+                self._cond.wait(timeout)
+            batch, size = [], 0
+            for event in self._pending:
+                size += len(json.dumps(event.output)) + 256
+                if batch and size > REPORT_BYTES:
+                    break
+                batch.append(event)
+            return tuple(batch)
+
+    def acknowledged(self, through: int) -> None:
+        with self._cond:
+            self._pending = [e for e in self._pending if e.number > through]
+            self._cond.notify_all()
+
+    def drained(self, timeout: float) -> bool:
+        """Wait until every event was acknowledged (bounded)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+@dataclasses.dataclass
+class _Running:
+    proc: subprocess.Popen[bytes]
+    output: threading.Thread
+
+
+class Workers:
+    """The agent's workers, by worker id (thread-safe)."""
+
+    def __init__(self, secret: str, events: Events) -> None:
+        self._secret = secret
+        self._events = events
+        self._lock = threading.Lock()
+        self._running: dict[str, _Running] = {}
+        self._ended = threading.Condition(self._lock)
+
+    def live(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def start(self, order: p.AgentOrder) -> None:
+        worker_id = order.worker_id
+        env = {k: v for k, v in os.environ.items() if k != ENV_SECRET}
+        env.update(entry.split("=", 1) for entry in order.env if "=" in entry)  # type: ignore[arg-type]
+        if "MASTER_ADDR" in env:  # collectives go out through the interface that reaches the driver
+            env.update(collective_interface_env(env, env["MASTER_ADDR"]))
+        # The driver's directory when this machine has it (shared paths, one image), else ours.
+        cwd = order.cwd if order.cwd and os.path.isdir(order.cwd) else os.getcwd()
+        with self._lock:
+            if worker_id in self._running:
+                return  # (an order is carried out once; a repeated id is the driver's bug)
+            try:
+                proc = spawn_worker(order.command, env, self._secret, cwd, subprocess.PIPE, p.ENV_SECRET_FD)
+            except (OSError, ValueError) as err:
+                why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+                self._events.add(p.AgentEventKind.NOT_STARTED, worker_id,
+                                 detail=p.clip(f"cannot start {order.command[0] if order.command else '?'!r}: {why}",
+                                               300))
+                return
+            self._events.add(p.AgentEventKind.STARTED, worker_id, pid=proc.pid)
+            output = threading.Thread(target=self._forward, args=(worker_id, proc), name=f"output-{proc.pid}",
+                                      daemon=True)
+            self._running[worker_id] = _Running(proc, output)
+        output.start()
+        threading.Thread(target=self._reap, args=(worker_id, proc, output), name=f"reaper-{proc.pid}",
+                         daemon=True).start()
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        with self._lock:
+            running = self._running.get(worker_id)
+            if running is not None:
+                signal_group(running.proc.pid, sig)
+
+    def kill_all(self) -> None:
+        """SIGKILL every worker (the driver lost this agent, or it gave up on the driver)."""
+        with self._lock:
+            for running in self._running.values():
+                signal_group(running.proc.pid, signal.SIGKILL)
+
+    def signal_all(self, sig: int) -> None:
+        with self._lock:
+            for running in self._running.values():
+                signal_group(running.proc.pid, sig)
+
+    def wait_all(self, timeout: float) -> bool:
+        """Until every worker has ended (bounded); True if they have."""
+        with self._ended:
+            return self._ended.wait_for(lambda: not self._running, timeout)
+
+    def _forward(self, worker_id: str, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            while chunk := proc.stdout.read1(OUTPUT_CHUNK):
+                text = decoder.decode(chunk)
+                if text:
+                    self._events.add(p.AgentEventKind.OUTPUT, worker_id, output=text)
+            rest = decoder.decode(b"", final=True)
+            if rest:
+                self._events.add(p.AgentEventKind.OUTPUT, worker_id, output=rest)
+        except OSError:
+            pass
+        finally:
+            proc.stdout.close()
+
+    def _reap(self, worker_id: str, proc: subprocess.Popen[bytes], output: threading.Thread) -> None:
+        end_leftovers_at_exit(proc.pid)  # what it left in its group ends with it
+        status = proc.wait()
+        output.join(OUTPUT_AFTER_EXIT)  # its last lines before its exit
+        self._events.add(p.AgentEventKind.EXITED, worker_id, status=max(status, 0), signal=max(-status, 0))
+        with self._ended:
+            self._running.pop(worker_id, None)
+            self._ended.notify_all()

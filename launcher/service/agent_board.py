@@ -1,0 +1,408 @@
+"""The agents connected to the driver (``lightning-elastic agent``), as the service and the driver see them.
+
+An agent joins over the signed channel (``protocol.AgentJoin``), then holds a long poll
+for its orders (which is also its heartbeat) and reports its workers' starts, output and
+exits. The board is where both sides meet, under a lock of its own (never the job's):
+
+- the rendezvous service records what agents say (``join``, ``poll``, ``report``,
+  ``leave``) on its event loop, and never waits here for anything but this lock;
+- the driver reads the hosts agents offer (``hosts``, from the discovery thread), queues
+  orders (``start``, ``signal``) and reads its workers' fates (``fate``) from its loop:
+  in memory, O(1) per worker, so the decision loop never waits on an agent's network.
+
+An agent is lost when nothing was heard from it for the heartbeat timeout, or when its
+waiting poll's connection closed and it did not poll again within ``CLOSED_GRACE`` (its
+process killed: no need to wait out the timeout): its workers then count as lost with
+their host (``WorkerFate.host_gone``: their round is broken, the
+survivors recover as from a host loss, nothing is blacklisted: the host left with its
+agent, and an agent that comes back is a host added). A graceful leave (SIGTERM to the
+agent) takes the host off the list: its workers leave at their next check, as when
+discovery stops listing a host.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from lightning_elastic import protocol as p
+from lightning_elastic.launcher.job.slots import HostSlots
+from lightning_elastic.launcher.service.long_poll import LongPoll, Signal
+
+log = logging.getLogger("lightning_elastic.driver")
+
+# A host name as an agent may offer it: what a machine's or pod's name can be (RFC 1123
+# labels), bounded; anything else would end up in log lines and file names.
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")
+_AGENT_ID = re.compile(r"[0-9a-f]{32}")
+MAX_AGENT_SLOTS = 4096
+# Agents dropped (lost, refused after they joined) remembered so that their late requests
+# are answered "dropped" and not taken for strangers; bounded.
+DROPPED_KEPT = 4096
+# An agent whose waiting poll's connection closed (its process killed, its pod deleted by
+# force) is lost unless it polls again within this: a live agent whose connection broke
+# polls again at once (launcher/agent/run.py), a dead one never does, and waiting for the
+# heartbeat timeout would cost every survivor that long.
+CLOSED_GRACE = 2.0
+# Worker output held for the driver's forwarder beyond what it drained: past this the
+# newest chunks are dropped (said once per worker), never the agent's requests stalled.
+OUTPUT_HELD = 4 * 1024 * 1024
+
+
+class OutputQueue:
+    """A worker's output as the agent reports it, read by the driver's ``LineForwarder``
+    like a pipe (``read1``): chunks put by the service, EOF once the worker ended."""
+
+    def __init__(self) -> None:
+        self._chunks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._held = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.dropped = 0
+
+    def put(self, data: bytes) -> None:
+        with self._lock:
+            if self._closed or not data:
+                return
+            if self._held + len(data) > OUTPUT_HELD:
+                self.dropped += len(data)
+                return
+            self._held += len(data)
+        self._chunks.put(data)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._chunks.put(b"")
+
+    def read1(self, size: int = -1) -> bytes:
+        chunk = self._chunks.get()
+        with self._lock:
+            self._held -= len(chunk)
+        if not chunk:
+            self._chunks.put(b"")  # EOF stays EOF for a second read
+        return chunk
+
+    def read(self, size: int = -1) -> bytes:
+        return self.read1(size)
+
+
+@dataclasses.dataclass
+class WorkerFate:
+    """What the driver knows of a worker an agent runs: its pid once started, its exit."""
+
+    pid: int = 0
+    status: int | None = None  # as Popen.returncode: negative for a signal
+    detail: str = ""  # why it was lost with its host (its agent lost or gone), or could not start
+    host_gone: bool = False  # lost with its agent: not the host's fault (see the module docstring)
+
+
+@dataclasses.dataclass
+class _Worker:
+    worker_id: str
+    output: OutputQueue
+    fate: WorkerFate = dataclasses.field(default_factory=WorkerFate)
+
+
+@dataclasses.dataclass
+class Agent:
+    agent_id: str
+    host: str
+    slots: int
+    last_heard: float
+    leaving: bool = False
+    closed_at: float | None = None  # its waiting poll's connection closed then (CLOSED_GRACE)
+    orders: collections.deque[p.AgentOrder] = dataclasses.field(default_factory=collections.deque)
+    next_order: int = 1
+    events_taken: int = 0
+    wake: Signal = dataclasses.field(default_factory=Signal)
+    workers: dict[str, _Worker] = dataclasses.field(default_factory=dict)
+
+
+class AgentBoard:
+    """See the module docstring. Thread-safe: one lock, held only for in-memory work."""
+
+    def __init__(self, max_slots: int, heartbeat_timeout: float, poll_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._max_slots = max_slots  # --max-np: an agent offering more is refused
+        self._heartbeat_timeout = heartbeat_timeout
+        self._poll_seconds = poll_seconds
+        self._clock = clock
+        self.lock = threading.Lock()
+        self._agents: dict[str, Agent] = {}  # by agent id
+        self._by_host: dict[str, Agent] = {}
+        self._by_worker: dict[str, tuple[Agent, _Worker]] = {}
+        self._dropped: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
+        self._refused_said: set[str] = set()
+        self._closing = False
+        # At the job's end: agents not yet answered that it ended (the driver waits, bounded,
+        # for their polls before its service closes: else they would wait for a driver).
+        self._untold: set[str] = set()
+        self._told = threading.Condition(self.lock)
+        # Bumped whenever the hosts agents offer change (a join, a leave, a loss): the driver
+        # takes them again only then (read without the lock: an int).
+        self.version = 0
+
+    # ----- the service's side (its event loop) -------------------------------------------
+
+    def join(self, request: p.AgentJoin) -> p.AgentJoinReply:
+        why = self._invalid(request)
+        if why:
+            return self._refuse(request, why)
+        with self.lock:
+            now = self._clock()
+            self._expire(now)
+            known = self._agents.get(request.agent_id)
+            if known is not None:  # the same agent again (a lost reply): still welcome
+                known.last_heard = now
+                return self._welcome()
+            holder = self._by_host.get(request.host)
+            if holder is not None:
+                why = (f"another agent is connected for host {request.host} (two agents on one machine, or two "
+                       "pods with one name): give each its own --host-name")
+            elif self._closing:
+                why = "the job is ending"
+            else:
+                agent = Agent(request.agent_id, request.host, request.slots, now)
+                self._agents[agent.agent_id] = agent
+                self._by_host[agent.host] = agent
+                self._dropped.pop(agent.agent_id, None)
+                self.version += 1
+        if why:
+            return self._refuse(request, why)
+        log.info("Agent on %s joined with %d slot(s).", request.host, request.slots)
+        return self._welcome()
+
+    def _invalid(self, request: p.AgentJoin) -> str:
+        if not _AGENT_ID.fullmatch(request.agent_id):
+            return "malformed agent id (expected 32 hex digits)"
+        if not _HOST_NAME.fullmatch(request.host):
+            return f"host name {p.clip(request.host, 80)!r} is not a machine's name (letters, digits, '.', '-')"
+        if not 1 <= request.slots <= MAX_AGENT_SLOTS:
+            return f"--slots: expected 1..{MAX_AGENT_SLOTS}, got {request.slots}"
+        if request.slots > self._max_slots:
+            return (f"--slots {request.slots} is more than the job's --max-np {self._max_slots}: give the agent at "
+                    f"most {self._max_slots} slot(s)")
+        return ""
+
+    def _refuse(self, request: p.AgentJoin, why: str) -> p.AgentJoinReply:
+        said = f"{request.host}: {why}"
+        if said not in self._refused_said and len(self._refused_said) < DROPPED_KEPT:  # once per host and reason
+            self._refused_said.add(said)
+            log.warning("Refused an agent for host %s: %s.", p.clip(request.host, 80), why)
+        return p.AgentJoinReply(False, why)
+
+    def _welcome(self) -> p.AgentJoinReply:
+        return p.AgentJoinReply(True, poll_seconds=self._poll_seconds, heartbeat_timeout=self._heartbeat_timeout)
+
+    def poll(self, request: p.AgentPoll) -> LongPoll[p.AgentPollReply] | p.AgentPollReply:
+        """The agent's orders past ``orders_through``, as soon as there are any, or none after
+        its wait (at most the poll period the driver gave it)."""
+        wait = min(request.wait_seconds, self._poll_seconds)
+        with self.lock:
+            agent = self._heard(request.agent_id)
+            if agent is None:
+                return self._dropped_reply(request.agent_id)
+            while agent.orders and agent.orders[0].number <= request.orders_through:
+                agent.orders.popleft()  # carried out: acknowledged by this poll
+
+        answered = []
+
+        def answer(final: bool) -> p.AgentPollReply | None:
+            reply = None
+            if self._agents.get(agent.agent_id) is not agent:
+                reply = self._dropped_reply(agent.agent_id)
+            elif agent.orders:
+                reply = p.AgentPollReply(orders=tuple(agent.orders))
+            elif final:
+                # (Not heard for that: a dead agent's poll ends the same way. It is heard at
+                # its next poll, sent at once.)
+                reply = p.AgentPollReply()
+            if reply is not None:
+                answered.append(True)
+            return reply
+
+        def finish() -> None:
+            if not answered and self._agents.get(agent.agent_id) is agent:
+                agent.closed_at = self._clock()  # its connection closed while it waited
+
+        return LongPoll(self.lock, answer, agent.wake, self._clock() + wait, self._clock, finish)
+
+    def report(self, request: p.AgentReport) -> p.AgentReportReply:
+        """Take the events past those taken already (a retried report repeats some)."""
+        with self.lock:
+            agent = self._heard(request.agent_id)
+            if agent is None:
+                return p.AgentReportReply(through=0, dropped=True)
+            for event in request.events:
+                if event.number != agent.events_taken + 1:
+                    continue  # taken already (a retry), or a gap the agent fills by resending
+                agent.events_taken = event.number
+                self._take(agent, event)
+            return p.AgentReportReply(through=agent.events_taken)
+
+    def leave(self, request: p.AgentLeave) -> p.Ack:
+        with self.lock:
+            agent = self._heard(request.agent_id)
+            if agent is None:
+                return p.Ack()
+            if not request.gone:
+                if not agent.leaving:
+                    agent.leaving = True
+                    self.version += 1
+                    log.info("Agent on %s is leaving (SIGTERM): its workers leave the job at their next check.",
+                             agent.host)
+                return p.Ack()
+            self._drop(agent, f"its agent on {agent.host} left before it ended", "it left the job")
+        log.info("Agent on %s left the job.", agent.host)
+        return p.Ack()
+
+    # ----- the driver's side -----------------------------------------------------------
+
+    def expire(self) -> None:
+        """Lose the agents silent past the heartbeat timeout (each turn of the driver's loop:
+        O(agents), in memory)."""
+        with self.lock:
+            self._expire(self._clock())
+
+    def hosts(self) -> list[HostSlots]:
+        """The hosts agents offer now, in the order they joined (older first: lower ranks)."""
+        with self.lock:
+            return [HostSlots(a.host, a.slots) for a in self._agents.values() if not a.leaving]
+
+    def serves(self, host: str) -> bool:
+        with self.lock:
+            return host in self._by_host
+
+    def start(self, host: str, worker_id: str, command: Sequence[str], env: Mapping[str, str],
+              cwd: str) -> tuple[WorkerFate, OutputQueue]:
+        """Order the agent of ``host`` to start a worker; its fate is filled in as the agent
+        reports. A host whose agent is gone gives a worker lost with it."""
+        output = OutputQueue()
+        worker = _Worker(worker_id, output)
+        with self.lock:
+            agent = self._by_host.get(host)
+            if agent is None:
+                worker.fate = WorkerFate(status=-signal.SIGKILL, detail=f"its agent on {host} is gone",
+                                         host_gone=True)
+                output.close()
+                return worker.fate, output
+            agent.workers[worker_id] = worker
+            self._by_worker[worker_id] = (agent, worker)
+            self._order(agent, p.AgentOrder(0, p.AgentOrderKind.START, worker_id, tuple(command),
+                                            tuple(f"{k}={v}" for k, v in env.items()), cwd))
+        return worker.fate, output
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        with self.lock:
+            found = self._by_worker.get(worker_id)
+            if found is None or found[1].fate.status is not None:
+                return
+            self._order(found[0], p.AgentOrder(0, p.AgentOrderKind.SIGNAL, worker_id, signal=int(sig)))
+
+    def check(self, worker_id: str) -> None:
+        """Lose the worker's agent now if it has been silent past the heartbeat timeout (the
+        driver's loop asks this of a running worker every turn: O(1))."""
+        with self.lock:
+            found = self._by_worker.get(worker_id)
+            if found is not None and found[1].fate.status is None:
+                self._expire_one(found[0], self._clock())
+
+    def close(self, timeout: float = 0.0) -> None:
+        """The job is over: every agent's poll says so; wait up to ``timeout`` seconds until
+        each one has been answered (a poll comes every poll period)."""
+        with self.lock:
+            self._closing = True
+            for agent in list(self._agents.values()):
+                self._untold.add(agent.agent_id)
+                self._drop(agent, f"its agent on {agent.host} was dropped: the job ended", "the job ended")
+            self._told.wait_for(lambda: not self._untold, timeout)
+
+    # ----- under the lock --------------------------------------------------------------
+
+    def _heard(self, agent_id: str) -> Agent | None:
+        agent = self._agents.get(agent_id)
+        if agent is not None:
+            now = self._clock()
+            if self._expire_one(agent, now):
+                return None
+            agent.last_heard = now
+            agent.closed_at = None
+        return agent
+
+    def _dropped_reply(self, agent_id: str) -> p.AgentPollReply:
+        if agent_id in self._untold:
+            self._untold.discard(agent_id)
+            self._told.notify_all()
+        return p.AgentPollReply(dropped=True, reason=self._why_dropped(agent_id), ended=self._closing)
+
+    def _why_dropped(self, agent_id: str) -> str:
+        return self._dropped.get(agent_id, "the driver does not know this agent (it restarted, or lost it)")
+
+    def _order(self, agent: Agent, order: p.AgentOrder) -> None:
+        agent.orders.append(dataclasses.replace(order, number=agent.next_order))
+        agent.next_order += 1
+        agent.wake.fire()
+
+    def _take(self, agent: Agent, event: p.AgentEvent) -> None:
+        found = agent.workers.get(event.worker_id)
+        if found is None:
+            return  # a worker of this agent the driver forgot (it ended): nothing to record
+        fate = found.fate
+        if event.kind is p.AgentEventKind.STARTED:
+            fate.pid = event.pid
+        elif event.kind is p.AgentEventKind.OUTPUT:
+            found.output.put(event.output.encode())
+        elif event.kind is p.AgentEventKind.EXITED:
+            self._end(agent, found, -event.signal if event.signal else event.status, "", False)
+        elif event.kind is p.AgentEventKind.NOT_STARTED:
+            found.output.put(f"{event.detail}\n".encode())
+            self._end(agent, found, 127, "", False)  # as a shell says of a command it could not run
+
+    def _end(self, agent: Agent, worker: _Worker, status: int, detail: str, host_gone: bool) -> None:
+        worker.fate.status, worker.fate.detail, worker.fate.host_gone = status, detail, host_gone
+        worker.output.close()
+        agent.workers.pop(worker.worker_id, None)
+        self._by_worker.pop(worker.worker_id, None)
+
+    def _expire(self, now: float) -> None:
+        for agent in list(self._agents.values()):
+            self._expire_one(agent, now)
+
+    def _expire_one(self, agent: Agent, now: float) -> bool:
+        closed = agent.closed_at
+        if closed is not None and now - closed > CLOSED_GRACE:
+            log.warning("Agent on %s lost: its connection closed and it did not come back within %g s.",
+                        agent.host, CLOSED_GRACE)
+            self._drop(agent, f"its agent on {agent.host} was lost (its connection closed)",
+                       f"its connection closed and it did not poll again within {CLOSED_GRACE:g} s")
+            return True
+        silent = now - agent.last_heard
+        if silent <= self._heartbeat_timeout:
+            return False
+        log.warning("Agent on %s lost: nothing heard from it for %.1f s (--heartbeat-timeout %g).",
+                    agent.host, silent, self._heartbeat_timeout)
+        self._drop(agent, f"its agent on {agent.host} was lost (silent for {silent:.1f} s)",
+                   f"the driver heard nothing from it for {silent:.1f} s (--heartbeat-timeout)")
+        return True
+
+    def _drop(self, agent: Agent, detail: str, why: str) -> None:
+        for worker in list(agent.workers.values()):
+            self._end(agent, worker, -signal.SIGKILL, detail, True)
+        self._agents.pop(agent.agent_id, None)
+        if self._by_host.get(agent.host) is agent:
+            del self._by_host[agent.host]
+        self._dropped[agent.agent_id] = why
+        self.version += 1
+        while len(self._dropped) > DROPPED_KEPT:
+            self._dropped.popitem(last=False)
+        agent.wake.fire()  # its pending poll answers "dropped"

@@ -1,0 +1,128 @@
+"""One real agent (launcher/agent/run.py, in a thread) against the real service and board:
+orders reach it over the signed channel, its worker runs, the driver's side sees its
+output, signals and exit (small real processes; no job, no rendezvous of workers)."""
+
+from __future__ import annotations
+
+import io
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from lightning_elastic.launcher.agent.run import Agent, AgentSettings
+from lightning_elastic.launcher.processes.agent import AgentLauncher
+from lightning_elastic.launcher.processes.base import WorkerSpec
+from lightning_elastic.launcher.processes.output import OutputSink
+from lightning_elastic.launcher.service.agent_board import AgentBoard
+from lightning_elastic.launcher.service.registry import Registry
+from lightning_elastic.launcher.service.rendezvous_server import RendezvousServer
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = "0123456789abcdef" * 4
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.fixture
+def wired() -> Iterator[tuple[AgentBoard, AgentLauncher, io.StringIO, Agent, list[int]]]:
+    board = AgentBoard(max_slots=4, heartbeat_timeout=5.0, poll_seconds=0.5)
+    server = RendezvousServer(Registry(), SECRET, agents=board)
+    server.start()
+    out = io.StringIO()
+    agent = Agent(AgentSettings("127.0.0.1", server.port, 2, "agent-host", SECRET, leave_timeout=5.0))
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: board.serves("agent-host"), 10, "the agent to join")
+        yield board, AgentLauncher(board, None, OutputSink(out)), out, agent, code
+    finally:
+        agent.request_leave()
+        board.close()
+        thread.join(10)
+        server.close()
+
+
+def spec(worker_id: str, code: str) -> WorkerSpec:
+    return WorkerSpec(worker_id, "agent-host", (sys.executable, "-c", code), {"JOB_VAR": "from-driver"}, SECRET,
+                      cwd="/nonexistent-on-this-host")
+
+
+def test_a_worker_started_through_the_agent_runs_with_the_jobs_env_and_its_output_and_exit_come_back(wired):
+    board, launcher, out, _, _ = wired
+    code = ("import os, sys; print('hello from', os.environ['JOB_VAR'], os.getcwd() != '/nonexistent-on-this-host'); "
+            "print('secret in env:', 'LIGHTNING_ELASTIC_SECRET' in os.environ); sys.exit(3)")
+    proc = launcher.start(spec("w1", code), lambda: "[0] ")
+    assert wait_for(lambda: proc.poll() is not None, 20, "the worker's exit") and proc.poll() == 3
+    proc.finish_output(5)
+    assert "[0] hello from from-driver True\n" in out.getvalue()
+    assert "[0] secret in env: False\n" in out.getvalue()
+    assert proc.pid > 0 and proc.exit_detail() == "" and not proc.host_gone
+
+
+def test_a_signal_from_the_driver_reaches_the_worker_through_the_agent(wired):
+    board, launcher, _, _, _ = wired
+    proc = launcher.start(spec("w2", "import time; print('up', flush=True); time.sleep(60)"), lambda: "")
+    wait_for(lambda: proc.pid, 20, "the worker to start")
+    proc.signal(signal.SIGTERM)
+    assert wait_for(lambda: proc.poll() is not None, 20, "the worker's exit") and proc.poll() == -signal.SIGTERM
+
+
+def test_a_graceful_leave_takes_the_host_off_and_the_agent_exits_once_its_workers_have(wired):
+    board, launcher, _, agent, code = wired
+    proc = launcher.start(spec("w3", "import time; time.sleep(1.5)"), lambda: "")
+    wait_for(lambda: proc.pid, 20, "the worker to start")
+    agent.request_leave()
+    wait_for(lambda: board.hosts() == [], 10, "the host to leave the list")
+    assert proc.poll() is None  # its worker leaves in its own time (here: it ends)
+    wait_for(lambda: code, 20, "the agent to exit")
+    assert code == [0] and proc.poll() == 0 and not board.serves("agent-host")
+
+
+def test_an_agent_that_loses_its_driver_stops_its_workers_and_joins_the_next_one():
+    # The driver's pod restarted: the old service is gone, a new one serves on the same
+    # port (the same Service) with the same secret.
+    first = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
+    server = RendezvousServer(Registry(), SECRET, agents=first)
+    server.start()
+    port = server.port
+    agent = Agent(AgentSettings("127.0.0.1", port, 1, "agent-host", SECRET, leave_timeout=5.0))
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
+    thread.start()
+    second = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
+    restarted = RendezvousServer(Registry(), SECRET, agents=second, port=port)
+    try:
+        wait_for(lambda: first.serves("agent-host"), 10, "the agent to join the first driver")
+        proc = AgentLauncher(first, None, OutputSink(io.StringIO())).start(
+            spec("old-worker", "import time; time.sleep(60)"), lambda: "")
+        pid = wait_for(lambda: proc.pid, 20, "the worker to start")
+        server.close()  # the driver is gone (its agents' connections with it)
+        restarted.start()
+        wait_for(lambda: second.serves("agent-host"), 20, "the agent to join the restarted driver")
+        assert wait_for(lambda: not _alive(pid), 10, "the old driver's worker to be stopped")
+    finally:
+        agent.request_leave()
+        second.close()
+        thread.join(10)
+        restarted.close()
+    assert code == [0]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,191 @@
+"""launcher/service/agent_board.py: agents joining, taking orders, reporting, leaving and lost,
+with a clock the test moves (no network, no thread)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from lightning_elastic import protocol as p
+from lightning_elastic.launcher.job.slots import HostSlots
+from lightning_elastic.launcher.service.agent_board import AgentBoard
+from lightning_elastic.launcher.service.long_poll import LongPoll
+
+pytestmark = pytest.mark.timeout(30)
+
+TIMEOUT = 4.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_board(max_slots: int = 8) -> tuple[AgentBoard, Clock]:
+    clock = Clock()
+    return AgentBoard(max_slots, heartbeat_timeout=TIMEOUT, poll_seconds=1.0, clock=clock), clock
+
+
+def agent_id(n: int) -> str:
+    return f"{n:032x}"
+
+
+def answer(reply) -> p.AgentPollReply:
+    """A poll's answer now (or at its deadline): what the service would send."""
+    if isinstance(reply, LongPoll):
+        found = reply.answer_now()
+        if found is None:
+            reply.deadline = reply.clock()  # the wait is over
+            found = reply.answer_now()
+        return found
+    return reply
+
+
+def test_an_agent_that_joins_is_a_host_with_its_slots_in_the_order_they_joined():
+    board, _ = make_board()
+    before = board.version
+    assert board.join(p.AgentJoin(agent_id(1), "pod-b", 2)).accepted
+    reply = board.join(p.AgentJoin(agent_id(2), "pod-a", 1))
+    assert reply.accepted and reply.poll_seconds == 1.0 and reply.heartbeat_timeout == TIMEOUT
+    assert board.hosts() == [HostSlots("pod-b", 2), HostSlots("pod-a", 1)]
+    assert board.version > before and board.serves("pod-a")
+
+
+def test_a_second_agent_for_a_connected_host_name_is_refused_in_one_line(caplog):
+    board, _ = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    refused = board.join(p.AgentJoin(agent_id(2), "pod-a", 1))
+    assert not refused.accepted and "another agent is connected for host pod-a" in refused.reason
+    assert "--host-name" in refused.reason
+    assert board.hosts() == [HostSlots("pod-a", 1)]
+    # The same agent again (its reply was lost) is still welcome, and still one host.
+    assert board.join(p.AgentJoin(agent_id(1), "pod-a", 1)).accepted
+    assert len([r for r in caplog.records if "Refused an agent" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("host, slots, expected", [
+    ("pod-a", 9, "--slots 9 is more than the job's --max-np 8"),
+    ("pod-a", 0, "--slots: expected 1..4096, got 0"),
+    ("bad host;rm", 1, "is not a machine's name"),
+    ("", 1, "is not a machine's name"),
+])
+def test_bad_offers_are_refused_with_a_line_naming_what_was_expected(host, slots, expected):
+    board, _ = make_board()
+    reply = board.join(p.AgentJoin(agent_id(1), host, slots))
+    assert not reply.accepted and expected in reply.reason
+    assert board.hosts() == []
+
+
+def test_a_start_is_an_order_the_agents_poll_takes_once_and_in_order():
+    board, _ = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 2))
+    fate, _ = board.start("pod-a", "w1", ("python", "t.py"), {"RANK": "0"}, "/work")
+    board.signal("w1", signal.SIGTERM)
+    orders = answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 0))).orders
+    assert [(o.number, o.kind, o.worker_id) for o in orders] == [
+        (1, p.AgentOrderKind.START, "w1"), (2, p.AgentOrderKind.SIGNAL, "w1")]
+    assert orders[0].command == ("python", "t.py") and orders[0].env == ("RANK=0",) and orders[0].cwd == "/work"
+    assert orders[1].signal == signal.SIGTERM
+    # A poll that carried them out acknowledges them; one whose reply was lost gets them again.
+    assert answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 1))).orders == orders[1:]
+    assert answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 2))).orders == ()
+    assert fate.status is None
+
+
+def test_a_waiting_poll_is_answered_as_soon_as_an_order_comes():
+    board, _ = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 0))
+    assert isinstance(poll, LongPoll) and poll.answer_now() is None
+    board.start("pod-a", "w1", ("x",), {}, "/")
+    assert [o.worker_id for o in poll.answer_now().orders] == ["w1"]
+
+
+def test_reported_events_are_taken_once_in_order_and_make_the_workers_fate():
+    board, _ = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    fate, output = board.start("pod-a", "w1", ("x",), {}, "/")
+    events = (p.AgentEvent(1, p.AgentEventKind.STARTED, "w1", pid=4242),
+              p.AgentEvent(2, p.AgentEventKind.OUTPUT, "w1", output="hello\n"),
+              p.AgentEvent(3, p.AgentEventKind.EXITED, "w1", signal=signal.SIGKILL))
+    assert board.report(p.AgentReport(agent_id(1), events[:2])).through == 2
+    assert fate.pid == 4242 and fate.status is None
+    # A retried report repeats an event: taken once; one past a gap waits for the gap.
+    assert board.report(p.AgentReport(agent_id(1), events[1:])).through == 3
+    assert fate.status == -signal.SIGKILL and not fate.host_gone and fate.detail == ""
+    assert output.read1() == b"hello\n" and output.read1() == b""  # its output, then EOF
+
+
+def test_an_agent_silent_past_the_heartbeat_timeout_is_lost_with_its_workers_and_its_host():
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    board.join(p.AgentJoin(agent_id(2), "pod-b", 1))
+    fate, _ = board.start("pod-a", "w1", ("x",), {}, "/")
+    clock.now += TIMEOUT / 2
+    answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b is heard from, pod-a is not
+    clock.now += TIMEOUT / 2 + 0.1
+    board.check("w1")
+    assert fate.status == -signal.SIGKILL and fate.host_gone and "its agent on pod-a was lost" in fate.detail
+    version = board.version
+    board.expire()
+    assert board.hosts() == [HostSlots("pod-b", 1)] and board.version == version
+    # Its late poll is told it was dropped; it may join again as a new host.
+    reply = answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 0)))
+    assert reply.dropped and not reply.ended and "heard nothing from it" in reply.reason
+    assert board.join(p.AgentJoin(agent_id(3), "pod-a", 1)).accepted
+
+
+def test_a_leaving_agent_is_off_the_list_at_once_and_forgotten_when_gone():
+    board, _ = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    fate, _ = board.start("pod-a", "w1", ("x",), {}, "/")
+    version = board.version
+    board.leave(p.AgentLeave(agent_id(1)))
+    assert board.hosts() == [] and board.version > version
+    assert fate.status is None  # its workers leave the job at their next check, not here
+    board.report(p.AgentReport(agent_id(1), (p.AgentEvent(1, p.AgentEventKind.EXITED, "w1"),)))
+    assert fate.status == 0
+    board.leave(p.AgentLeave(agent_id(1), gone=True))
+    assert not board.serves("pod-a")
+    assert board.join(p.AgentJoin(agent_id(2), "pod-a", 1)).accepted  # its host may come back
+
+
+def test_a_start_on_a_host_whose_agent_is_gone_is_a_worker_lost_with_it():
+    board, _ = make_board()
+    fate, output = board.start("pod-x", "w1", ("x",), {}, "/")
+    assert fate.status == -signal.SIGKILL and fate.host_gone and output.read1() == b""
+
+
+def test_at_the_jobs_end_every_agents_poll_says_so():
+    board, _ = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 0))
+    board.close()
+    reply = poll.answer_now()
+    assert reply.dropped and reply.ended and reply.reason == "the job ended"
+    assert not board.join(p.AgentJoin(agent_id(2), "pod-b", 1)).accepted
+
+
+def test_an_agent_whose_waiting_poll_closed_is_lost_unless_it_polls_again_within_the_grace():
+    from lightning_elastic.launcher.service.agent_board import CLOSED_GRACE
+
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    board.join(p.AgentJoin(agent_id(2), "pod-b", 1))
+    fate, _ = board.start("pod-a", "w1", ("x",), {}, "/")
+    answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 0)))  # takes its start order
+    for n in (1, 2):
+        poll = board.poll(p.AgentPoll(agent_id(n), 1.0, 1 if n == 1 else 0))
+        assert poll.answer_now() is None
+        poll._finish()  # (what the service runs when the connection closes under a waiting poll)
+    clock.now += CLOSED_GRACE / 2
+    answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b comes back: a broken connection
+    clock.now += CLOSED_GRACE / 2 + 0.1
+    board.expire()
+    assert board.hosts() == [HostSlots("pod-b", 1)]
+    assert fate.status == -signal.SIGKILL and fate.host_gone and "its connection closed" in fate.detail
+    assert clock.now - 100.0 < TIMEOUT  # sooner than the heartbeat timeout
