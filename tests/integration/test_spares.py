@@ -85,7 +85,7 @@ def test_with_a_hot_spare_a_kill_is_replaced_in_one_re_formation(job: Job) -> No
 def test_lightning_survivors_go_on_while_a_slow_spare_starts(job: Job) -> None:
     job.set_hosts(H1, H2, H3, H4)
     start(job, discovery(job, "-np", "3", "--min-np", "1", "--max-np", "3"),
-          "--start-delay", "6", "--start-delay-on-host", SPARE, step_delay=0.3)
+          "--start-delay", "6", "--start-delay-on-host", SPARE, step_delay=0.5)  # training outlasts a loaded start
     job.wait_steps(7)
     victim = pid_of(job, "127.0.0.2")
     os.kill(victim, signal.SIGKILL)
