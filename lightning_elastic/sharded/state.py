@@ -25,8 +25,6 @@ with one line saying so.
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -42,6 +40,7 @@ from lightning_elastic.sharded import parts, snapshot_tree
 from lightning_elastic.sharded.commit import ShardedCommit
 from lightning_elastic.sharded.agreement import agree
 from lightning_elastic.sharded.layout import Fresh, Layout, Lost, Restore, describe_coverage
+from lightning_elastic.sharded.round_writers import RoundWriters
 from lightning_elastic.sharded.rows import Entry
 from lightning_elastic.training.state import State, _is_stateful, info_of_state
 
@@ -92,8 +91,7 @@ class ShardedState(State):
         put(self, "_callbacks_due", False)
         put(self, "_commit", ShardedCommit())  # own rows, the rest, the copy held for a peer
         put(self, "_said_coverage", None)
-        put(self, "_writers", [])  # (round, sharded snapshot writer): this round's last; older ones finishing
-        put(self, "_round_start", (0, 0.0, 0))  # (round, time its sync ended, step then): snapshot pace
+        put(self, "_snapshots", RoundWriters())  # durable snapshots of the commits (--snapshot-dir)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not name.startswith("_") and name not in self._names:
@@ -147,9 +145,8 @@ class ShardedState(State):
         """Commit: this rank's rows into its host buffer, then the copy for its holder."""
         worker = self.worker
         entries, tensors, rest = self._split_live()
-        writing = any(w.writing for _, w in self._writers)  # a snapshot still reads the own rows
         self._commit.save(entries, tensors, rest, self._layout, worker.assignment.rank, worker.device,
-                          worker.wait_collective, keep_own=not writing)
+                          worker.wait_collective, keep_own=not self._snapshots.writing)
         object.__setattr__(self, "_committed_live", True)
 
     def offer_snapshot(self) -> None:
@@ -164,30 +161,7 @@ class ShardedState(State):
         values = {n: getattr(self, n) for n in self._names if not _is_stateful(getattr(self, n))}
         stateful = {n: getattr(self, n) for n in self._names if _is_stateful(getattr(self, n))}
         info = info_of_state(values, stateful, worker.commits_total, a.round, a.size, "sharded")
-        writer = self._writer_for_round(settings, info.step)
-        writer.offer(snapshot_tree.written(own.rows, own.rest), info)
-
-    def _writer_for_round(self, settings: Any, step: int) -> Any:
-        """This round's writer, made at its first commit: rank 0's pace since the round's
-        sync turns ``--snapshot-every`` seconds into steps, the same for every rank."""
-        from lightning_elastic.sharded.snapshots import ShardedSnapshotWriter, SnapshotPlan, steps_between
-
-        worker = self.worker
-        a = worker.assignment
-        if self._writers and self._writers[-1][0] == a.round:
-            return self._writers[-1][1]
-        alive = [(r, w) for r, w in self._writers if w.writing]  # an older round's, still writing
-        round_, started, first_step = self._round_start
-        plan = None
-        if a.rank == 0:
-            per_step = (time.monotonic() - started) / max(1, step - first_step) if round_ == a.round else 1.0
-            plan = SnapshotPlan(secrets.token_hex(4), steps_between(settings.every, max(per_step, 1e-3)))
-        if a.size > 1:
-            plan = collectives.broadcast_object(plan, a.rank, 0, worker.device, worker.wait_collective)
-        writer = ShardedSnapshotWriter(settings, a.rank, a.size, plan, os.environ.get(files.ENV_JOB_ID, ""))
-        object.__setattr__(self, "_writers", [*alive, (a.round, writer)])
-        worker.snapshot_writer = writer  # its counts reach the driver with the heartbeats
-        return writer
+        self._snapshots.offer(worker, lambda: snapshot_tree.written(own.rows, own.rest), info)
 
     def keep_live(self) -> None:
         """Hosts changed: every rank stopped at the same step, so the live state is committed
@@ -248,7 +222,7 @@ class ShardedState(State):
         self._say_coverage(agreed.hosts, agreed.layout)
         step = self._values().get("step")
         a = worker.assignment
-        object.__setattr__(self, "_round_start", (a.round, time.monotonic(), step if isinstance(step, int) else 0))
+        self._snapshots.round_started(a.round, step if isinstance(step, int) else 0)
         if self._callbacks_due:
             object.__setattr__(self, "_callbacks_due", False)
             super().on_reset()
