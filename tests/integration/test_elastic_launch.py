@@ -64,7 +64,9 @@ def test_sigkilled_worker_survivors_restore_commit_and_finish(job: Job) -> None:
 def test_worker_exception_is_reported_and_job_goes_on(job: Job) -> None:
     job.set_hosts(H1, H2, H3)
     code = job.run(
-        discovery_args(job, "-np", "3", "--min-np", "1"),  # the default --error-wait (5 s)
+        # --error-wait far above the answer's own pace, so the two behaviours cannot be
+        # confused under load (the pause is ~1 s on a quiet machine, 3.4 s seen on a busy one).
+        discovery_args(job, "-np", "3", "--min-np", "1", "--error-wait", "30"),
         [*STEADY, "--epochs", "2", "--fail-at-step", "5", "--fail-on-host", "127.0.0.2"],
     )
     assert code == 0, job.stderr()[-3000:]
@@ -79,11 +81,12 @@ def test_worker_exception_is_reported_and_job_goes_on(job: Job) -> None:
     assert_replicas_identical(job)
     # The survivors wait for the raising rank in their next collective until the driver
     # answers it: once both showed they are alive after its question (a heartbeat each), not
-    # after --error-wait (5 s, when this pause was ~6 s). Then they recover as from a kill.
+    # after --error-wait (which made this pause --error-wait + ~1 s). Then they recover as
+    # from a kill.
     raised = max(e["time"] for e in job.events("step") if e["step"] == 5 and e["worker"].startswith("127.0.0.2"))
     resumed = min(e["time"] for e in job.events("step") if e["size"] == 2)
-    print(f"pause after one rank's exception with the default --error-wait: {resumed - raised:.2f} s")
-    assert resumed - raised < 2.5, resumed - raised
+    print(f"pause after one rank's exception with --error-wait 30: {resumed - raised:.2f} s")
+    assert resumed - raised < 15, resumed - raised
 
 
 def test_added_host_joins_with_broadcast_state(job: Job) -> None:
