@@ -52,6 +52,7 @@ from lightning_elastic.lightning.environment import (
     timeout_seconds,
 )
 from lightning_elastic.lightning.pristine import Pristine
+from lightning_elastic.lightning.resumed_logs import ResumedLogs
 from lightning_elastic.lightning.sampling import ElasticSampling, call_reset_hooks
 from lightning_elastic.lightning.sharded_commit import destinations, load_fit, split_fit
 from lightning_elastic.lightning.sharded_snapshot import check_one_optimizer, fit_tree, read_fit
@@ -115,6 +116,7 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         self._weights_in_rows = False  # a commit's dump: the rows carry the weights, not Lightning's state dicts
         self._resumed_world_size: int | None = None  # set when a fit attempt restored a commit
         self._said_coverage: tuple[int, ...] | None = None
+        self._logs = ResumedLogs()
         self._snapshots = RoundWriters()  # durable snapshots of the commits (--snapshot-dir)
         self._snapshot: Found | None = None  # the durable snapshot this attempt resumes from instead of a commit
 
@@ -248,6 +250,8 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         versions = [logger.version for logger in trainer.loggers] if a.rank == source else []
         for logger, version in zip(trainer.loggers, broadcast_object(versions, worker, src=source)):
             compat.set_logger_version(logger, version)
+        if self._restoring:
+            self._logs.fit_resumes(trainer, a.rank)
         return self._restoring
 
     def _snapshot_to_resume(self, choice: Restore | Fresh | Lost) -> Found | None:
@@ -291,7 +295,9 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         self._pending_sampler = info.sampler
         log.info("Rank %d: restored commit %d of step %d (world size %d -> %d); %.1f MB received from peers.",
                  a.rank, choice.version, info.global_step, info.world_size, a.size, received / 1e6)
-        return load_fit(module, optimizers, rest, a.size)
+        checkpoint = load_fit(module, optimizers, rest, a.size)
+        self._logs.restored(checkpoint)
+        return checkpoint
 
     def _load_snapshot(self, found: Found) -> dict[str, Any]:
         """Every rank: its rows of the durable snapshot ``found`` (written at any world size)
@@ -304,7 +310,9 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         if a.rank == 0:
             log.info("Resumed from snapshot %s: step %d, written at world size %d (now %d).",
                      files.base_name(found.path), found.manifest.step, found.manifest.world_size, a.size)
-        return resume_checkpoint(checkpoint, info, a.size)
+        checkpoint = resume_checkpoint(checkpoint, info, a.size)
+        self._logs.restored(checkpoint)
+        return checkpoint
 
     def _say_coverage(self, hosts: tuple[str, ...]) -> None:
         assert self._layout is not None
@@ -321,6 +329,7 @@ class ElasticFSDPStrategy(WorkerBacked, ElasticSampling, ModelParallelStrategy):
         self.worker.resume_from = None  # every rank holds the resumed state now
         self._snapshot = None
         self._snapshots.round_started(self.worker.assignment.round, trainer.global_step)
+        self._logs.train_started(trainer)
         resumed_from, self._resumed_world_size = self._resumed_world_size, None
         if resumed_from is not None:
             call_reset_hooks(trainer, resumed_from, self.worker.assignment.size)

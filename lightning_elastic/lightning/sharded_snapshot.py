@@ -28,7 +28,7 @@ from lightning_elastic.sharded import snapshot_tree
 from lightning_elastic.sharded.rows import RankRows
 from lightning_elastic.sharded.snapshots import read_sharded, saved_tensors
 
-EXTRA_KEY = "lightning"
+EXTRA_KEY = snapshot_tree.FIT_EXTRA
 
 
 def check_one_optimizer(optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -56,7 +56,7 @@ def read_fit(found: Found, module: torch.nn.Module, optimizer: torch.optim.Optim
         raise ElasticError(f'{where}: a {found.manifest.kind!r} snapshot; strategy="elastic_fsdp" resumes from a '
                            "sharded one (to start over: --no-resume, or another --snapshot-dir)")
     shapes = saved_tensors(found.path)
-    if f"extra.{EXTRA_KEY}" not in shapes:
+    if not snapshot_tree.written_by_a_fit(list(shapes)):
         raise ElasticError(f'{where}: a sharded snapshot of a hand-written loop (le.ShardedState), not of a '
                            'strategy="elastic_fsdp" fit (to start over: --no-resume, or another --snapshot-dir)')
     target = snapshot_tree.read_target(module, optimizer, list(shapes),

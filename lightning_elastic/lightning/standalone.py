@@ -16,8 +16,8 @@ from types import ModuleType, SimpleNamespace
 
 _PACKAGE = "lightning_elastic.lightning"
 _MIRROR = "lightning_elastic.lightning._for_pytorch_lightning"
-_MODULES = ("compat", "capture", "commit", "callbacks", "environment", "sampling", "fit_launcher", "strategy",
-            "pristine", "sharded_commit", "sharded_snapshot", "fsdp")  # dependency order
+_MODULES = ("compat", "capture", "commit", "callbacks", "environment", "sampling", "resumed_logs", "fit_launcher",
+            "strategy", "pristine", "sharded_commit", "sharded_snapshot", "fsdp")  # dependency order
 _RENAMES = (
     ("lightning.pytorch", "pytorch_lightning"),
     ("lightning.fabric", "lightning_fabric"),

@@ -35,6 +35,7 @@ from lightning_elastic.lightning.commit import (
 )
 from lightning_elastic.lightning.capture import CheckpointCapture
 from lightning_elastic.lightning.environment import ElasticEnvironment, WorkerBacked, timeout_seconds
+from lightning_elastic.lightning.resumed_logs import ResumedLogs
 from lightning_elastic.lightning.sampling import ElasticSampling, call_reset_hooks
 from lightning_elastic.membership.process_group import validate_backend, validate_timeout
 from lightning_elastic.commit.buffers import HostSnapshot
@@ -95,7 +96,7 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
         self._resumed_world_size: int | None = None  # set when a fit resumed from a commit
         self._init_sampling()
         self._pending_metrics: dict[str, float] | None = None  # the commit's, set at train start
-        self._committed_log_step: int | None = None  # the committed batch's logging step
+        self._logs = ResumedLogs()
         # This fit attempt is loading the agreed commit / has loaded its weights into the
         # LightningModule on every rank (strictly): DDP need not broadcast them again.
         self._loading_commit = False
@@ -168,8 +169,8 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
         # collectives of Lightning's callbacks exactly when the source does (issue 37, point 1).
         compat.restore_callbacks_deciding_state(trainer, self._restore.callbacks_state)
         resuming = self._restore.source_rank is not None
-        if resuming and self.worker.assignment.rank == 0:
-            compat.continue_csv_logs(trainer)  # before the fit logs anything (hyper-parameters)
+        if resuming:
+            self._logs.fit_resumes(trainer, self.worker.assignment.rank)
         return resuming
 
     def _is_source_candidate(self) -> bool:
@@ -182,7 +183,7 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self._restore is not None and self._restore.source_rank is not None
         committed = receive_commit(self.worker, self.snapshot, self._restore.source_rank)
-        self._committed_log_step = compat.committed_logging_step(committed.skeleton)
+        self._logs.restored(committed.skeleton)
         self._loading_commit = True
         self._resumed_world_size = committed.meta.world_size
         self._pending_sampler = committed.meta.sampler
@@ -218,9 +219,7 @@ class ElasticStrategy(WorkerBacked, ElasticSampling, DDPStrategy):
         if metrics is not None:
             compat.restore_callback_metrics(trainer, metrics)
             compat.step_plateau_schedulers_at_epoch_end(trainer)
-        log_step, self._committed_log_step = self._committed_log_step, None
-        if log_step is not None and trainer.is_global_zero:
-            compat.drop_csv_rows_after(trainer, log_step)  # the steps redone from here are logged again
+        self._logs.train_started(trainer)
         resumed_from, self._resumed_world_size = self._resumed_world_size, None
         if resumed_from is not None:
             call_reset_hooks(trainer, resumed_from, self.worker.assignment.size)

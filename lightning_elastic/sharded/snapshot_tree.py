@@ -19,6 +19,15 @@ from lightning_elastic.sharded.dcp_format import ShardPiece
 from lightning_elastic.sharded.rows import Entry, RankRows
 
 OPTIMIZER_STATE = "optimizer.state."
+# Under ``extra``, a strategy="elastic_fsdp" fit keeps its Lightning checkpoint (one packed
+# value) where a ``le.ShardedState`` keeps its values, samplers and scheduler: the one key
+# that tells the two kinds of sharded snapshot apart before a read fails deep in DCP.
+FIT_EXTRA = "lightning"
+
+
+def written_by_a_fit(saved_keys: Sequence[str]) -> bool:
+    """Whether a sharded snapshot with these keys was written by an elastic_fsdp fit."""
+    return f"extra.{FIT_EXTRA}" in saved_keys
 
 
 def written(own: RankRows, rest: dict[str, Any]) -> dict[str, Any]:

@@ -208,6 +208,10 @@ class ShardedState(State):
         choice = agreed.choice
         if isinstance(choice, Restore):
             self._restore(choice)
+            # The restored commit's rows were spread over the old world's buffers; until a
+            # commit in this world settles, some exist once, so commit now (as a resume
+            # from a snapshot does) and a loss right after the restore does not start over.
+            self.save()
         elif isinstance(choice, Lost):
             self._restore_lost(choice)
         else:
@@ -319,9 +323,12 @@ class ShardedState(State):
         if found.manifest.kind != "sharded":
             raise ElasticError(f"{files.base_name(found.path)}: a {found.manifest.kind!r} snapshot, not the "
                                "state of a ShardedState (to start over: --no-resume, or another --snapshot-dir)")
+        shapes = saved_tensors(found.path)
+        if snapshot_tree.written_by_a_fit(list(shapes)):
+            raise ElasticError(f'{files.base_name(found.path)}: a sharded snapshot of a strategy="elastic_fsdp" fit, '
+                               "not of a le.ShardedState (to start over: --no-resume, or another --snapshot-dir)")
         self._build(fresh=False)
         model, optimizer, scheduler, _ = self._built()
-        shapes = saved_tensors(found.path)
         extra = {"values": self._values(), "stateful": {n: o.state_dict() for n, o in self._stateful().items()},
                  "scheduler": scheduler.state_dict() if scheduler is not None else None}
         target = snapshot_tree.read_target(model, optimizer, list(shapes),

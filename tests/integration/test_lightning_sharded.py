@@ -11,6 +11,7 @@ committed history is the newest round's record of each step.
 from __future__ import annotations
 
 import collections
+import csv
 import json
 import re
 import sys
@@ -106,6 +107,13 @@ def test_a_worker_killed_mid_epoch_the_survivors_reshard_the_commit_and_finish_i
     assert all((e["old"], e["new"], e["round"]) == (4, 3, 2) for e in resets)
     assert all(e["lr"] == pytest.approx(LR * 3 / 4) for e in resets)
     assert all(d["lr"] == pytest.approx(LR * 3 / 4 * GAMMA**EPOCHS) for d in done)
+
+    # metrics.csv is the committed history (a row every 5 steps): the row of step 9, logged
+    # before the kill and flushed at the reset, is dropped with the steps redone after the
+    # commit of step 8, and logged again once; the rows before the commit stay.
+    with (job.dir / "logs" / "sharded" / "version_0" / "metrics.csv").open(newline="") as f:
+        logged = [int(row["step"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert logged == sorted(set(logged)) and logged[:2] == [4, 9], logged
 
 
 def test_a_host_added_then_removed_reshards_the_live_state_without_rollback(job: Job) -> None:

@@ -227,3 +227,23 @@ def test_a_fits_snapshot_written_at_two_ranks_is_read_back_whole_at_one(tmp_path
     assert all(_equal(a, b) for a, b in zip(written[0], digest, strict=True)), "the state read differs"
     assert checkpoint == {"epoch": 0, "loops": {"done": 2}}  # Lightning's state dicts are the rows instead
     assert info == (2, 2, SamplerPosition(0, 8, 20, 2))
+
+
+def test_a_fits_snapshot_is_refused_by_a_sharded_state_in_one_line(tmp_path):
+    import functools
+
+    from lightning_elastic.durable import files
+    from lightning_elastic.errors import ElasticError
+    from lightning_elastic.sharded.state import ShardedState
+
+    run_ranks(2, functools.partial(write_fit_snapshot, str(tmp_path)), timeout=60)
+    found = files.newest_valid(str(tmp_path), print)
+    assert found is not None
+    with pytest.raises(ElasticError) as refused:
+        # The check comes before anything is built: no state or worker is needed to reach it.
+        ShardedState._resume_from(None, found)  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert message == (f'{files.base_name(found.path)}: a sharded snapshot of a strategy="elastic_fsdp" fit, not of '
+                       "a le.ShardedState (to start over: --no-resume, or another --snapshot-dir)")
+    assert "\n" not in message
+    assert_documented(message)
