@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,6 +12,8 @@ from lightning_elastic.training.state import State
 
 R = TypeVar("R")
 
+log = logging.getLogger(__name__)
+
 
 class _StateRecovery:
     """How ``@run`` recovers a ``State``: commits in host memory, rank 0's state for all."""
@@ -18,6 +21,8 @@ class _StateRecovery:
     def __init__(self, state: State, call: Callable[[], R]) -> None:
         self._state = state
         self._call = call
+        self._restored = False  # the last recovery restored the commit (a failure, not a host change)
+        self._said_no_commit = False
 
     def before_rejoin(self) -> None:
         pass
@@ -35,6 +40,21 @@ class _StateRecovery:
             self._state.on_reset()
         self._state.sync()
         self._state.worker.resume_from = None  # synced: every rank holds the resumed state
+        if self._restored:
+            self._restored = False
+            self._hint_if_nothing_was_committed()
+
+    def _hint_if_nothing_was_committed(self) -> None:
+        # A loop that never calls state.commit() loses everything at each failure, silently:
+        # said once, by rank 0, when the commit restored is the state as it was constructed.
+        # ``_commits`` is the job's count (it travels with each commit): not this process's.
+        if self._said_no_commit or getattr(self._state, "_commits", None) != 0:
+            return
+        self._said_no_commit = True
+        if self._state.worker.assignment.rank == 0:
+            log.warning("Rank 0: the restored commit is the state as it was constructed: nothing was committed "
+                        "since training started, so its values start over. Call state.commit() every few batches "
+                        "(le.ElasticCallback does it for Lightning) to lose only the batches since the last.")
 
     def attempt(self) -> R:
         return self._call()
@@ -46,6 +66,7 @@ class _StateRecovery:
 
     def restore_commit(self) -> None:
         self._state.restore()
+        self._restored = True
 
 
 def run(func: Callable[..., R] | None = None) -> Callable[..., R]:

@@ -46,3 +46,56 @@ def test_run_given_something_else_than_a_function_says_how_to_write_it(value, go
         "above def train(state, ...), then call train(state)"
     )
     assert_documented(f"TypeError: {info.value}")
+
+
+class _FakeState:
+    """What ``@le.run``'s recovery asks of a state, with the job's commit count as ObjectState keeps it."""
+
+    def __init__(self, commits: int, rank: int = 0) -> None:
+        from types import SimpleNamespace
+
+        self._commits = commits
+        self.worker = SimpleNamespace(assignment=SimpleNamespace(rank=rank), resume_from=None)
+
+    def resume_from_snapshot(self):
+        return None
+
+    def on_reset(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+    def keep_live(self) -> None:
+        pass
+
+
+HINT = "nothing was committed since training started"
+
+
+@pytest.mark.parametrize(("commits", "rank", "said"), [(0, 0, True), (3, 0, False), (0, 1, False)])
+def test_a_failure_restoring_the_constructed_state_says_to_commit_once_on_rank_0(caplog, commits, rank, said):
+    from lightning_elastic.training.runner import _StateRecovery
+
+    recovery = _StateRecovery(_FakeState(commits, rank), lambda: None)
+    recovery.prepare(False)
+    for _ in range(2):  # two failures: said once
+        recovery.restore_commit()
+        recovery.prepare(True)
+    hints = [r.getMessage() for r in caplog.records if HINT in r.getMessage()]
+    assert len(hints) == (1 if said else 0), [r.getMessage() for r in caplog.records]
+    if hints:
+        assert_documented(hints[0])
+
+
+def test_a_host_change_before_any_commit_gives_no_hint(caplog):
+    from lightning_elastic.training.runner import _StateRecovery
+
+    recovery = _StateRecovery(_FakeState(0), lambda: None)
+    recovery.prepare(False)
+    recovery.keep_live_state()
+    recovery.prepare(True)
+    assert not [r for r in caplog.records if HINT in r.getMessage()]
