@@ -27,6 +27,7 @@ from tests.integration.harness import (
     assert_replicas_identical,
     wait_for,
 )
+from tests.integration import test_lightning as lightning
 from tests.integration.namespaces import NamespacedHosts
 from tests.troubleshooting_rows import assert_documented
 from tests.integration.test_multi_machine import (
@@ -310,3 +311,35 @@ def test_a_rolling_replacement_of_every_agent_never_loses_the_state(job: Job, ag
     assert not old & {e["pid"] for e in job.events("done")}
     assert_epochs_complete(job, 6)
     assert_replicas_identical(job)
+
+
+def test_lightning_under_agents_trains_at_2_and_recovers_an_agent_sigkilled(job: Job, agents: Agents,
+                                                                             hosts: NamespacedHosts) -> None:
+    # Trainer(strategy="elastic_hvd") + ElasticCallback (examples/lightning_classifier.py)
+    # on two agents' hosts: one agent SIGKILLed with its worker, the survivor goes on in its
+    # own process, every epoch exactly once.
+    h1, h2, _ = hosts.names
+    lightning.start(job, driver_args(agents, "-np", "2", "--min-np", "1"), step_delay=0.2)
+    for name in (h1, h2):
+        agents.start(name)
+    job.wait_rounds(1, timeout=60)
+    assert job.rounds_formed() == [2]
+    job.wait_steps(5)
+    # Rank 0's host (the logger's writer moves to the survivor).
+    [rank0] = [e for e in job.events("start") if e["rank"] == 0]
+    lost = next(h for h in (h1, h2) if rank0["worker"].startswith(f"{h}["))
+    kept = h2 if lost == h1 else h1
+    [survivor] = worker_pids(job, kept)
+    agents.procs[lost].send_signal(signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{rank0['pid']}"), 10, "the killed agent's worker to die with it")
+    assert job.wait(timeout=180) == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert job.world_sizes() == [2, 1]
+    assert f"Agent on {lost} lost: its connection closed" in err
+    assert "Blacklisted" not in err
+    assert {e["pid"] for e in job.events("done")} == {survivor}  # the same process, not restarted
+    history = lightning.assert_exactly_once(job)
+    lightning.assert_final_state(job, history, start_size=2, end_size=1)
+    lightning.assert_replicas_identical_after_resets(job)
+    assert agents.wait(kept, 30) == 0
+    assert "The job ended: exiting." in agents.output(kept)
