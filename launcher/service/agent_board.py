@@ -52,19 +52,28 @@ DROPPED_KEPT = 4096
 # heartbeat timeout would cost every survivor that long.
 CLOSED_GRACE = 2.0
 # Worker output held for the driver's forwarder beyond what it drained: past this the
-# newest chunks are dropped (said once per worker), never the agent's requests stalled.
+# newest chunks are dropped, never the agent's requests stalled; a drop is said in the
+# worker's stream where the gap is (one line per gap) and once per worker in the driver's log.
 OUTPUT_HELD = 4 * 1024 * 1024
+
+
+def dropped_line(nbytes: int, why: str) -> bytes:
+    """The line a worker's stream holds where ``nbytes`` of its output were dropped."""
+    return f"[{nbytes} bytes of output dropped: {why}]\n".encode()
 
 
 class OutputQueue:
     """A worker's output as the agent reports it, read by the driver's ``LineForwarder``
     like a pipe (``read1``): chunks put by the service, EOF once the worker ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str = "") -> None:
+        self._worker_id = worker_id
         self._chunks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._held = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._ends_line = True  # the last chunk queued ended a line (a gap's line starts on its own)
+        self._gap = 0  # bytes dropped since the last chunk queued: said before the next one
         self.dropped = 0
 
     def put(self, data: bytes) -> None:
@@ -72,17 +81,39 @@ class OutputQueue:
             if self._closed or not data:
                 return
             if self._held + len(data) > OUTPUT_HELD:
+                if not self.dropped:
+                    log.warning("Output of worker %s dropped: more than %d MiB of it waiting for the driver's "
+                                "output; its log says how much where the gap is.", self._worker_id,
+                                OUTPUT_HELD >> 20)
                 self.dropped += len(data)
+                self._gap += len(data)
                 return
-            self._held += len(data)
-        self._chunks.put(data)
+            self._queue(self._gap_said() + data)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._chunks.put(b"")
+            gap = self._gap_said()
+            if gap:
+                self._queue(gap)
+            self._chunks.put(b"")
+
+    def _gap_said(self) -> bytes:
+        """The line for the bytes dropped since the last chunk (b"" if none); the held bound
+        may be passed by this line: one per gap, and a gap follows a chunk held."""
+        if not self._gap:
+            return b""
+        said = (b"" if self._ends_line else b"\n") + dropped_line(
+            self._gap, f"more than {OUTPUT_HELD >> 20} MiB waiting for the driver's output")
+        self._gap = 0
+        return said
+
+    def _queue(self, data: bytes) -> None:
+        self._held += len(data)
+        self._ends_line = data.endswith(b"\n")
+        self._chunks.put(data)
 
     def read1(self, size: int = -1) -> bytes:
         chunk = self._chunks.get()
@@ -287,7 +318,7 @@ class AgentBoard:
               cwd: str) -> tuple[WorkerFate, OutputQueue]:
         """Order the agent of ``host`` to start a worker; its fate is filled in as the agent
         reports. A host whose agent is gone gives a worker lost with it."""
-        output = OutputQueue()
+        output = OutputQueue(worker_id)
         worker = _Worker(worker_id, output)
         with self.lock:
             agent = self._by_host.get(host)

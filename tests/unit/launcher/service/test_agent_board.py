@@ -189,3 +189,23 @@ def test_an_agent_whose_waiting_poll_closed_is_lost_unless_it_polls_again_within
     assert board.hosts() == [HostSlots("pod-b", 1)]
     assert fate.status == -signal.SIGKILL and fate.host_gone and "its connection closed" in fate.detail
     assert clock.now - 100.0 < TIMEOUT  # sooner than the heartbeat timeout
+
+
+def test_output_past_the_held_bound_is_dropped_and_said_where_the_gap_is_and_once_in_the_log(monkeypatch, caplog):
+    from lightning_elastic.launcher.service import agent_board
+
+    monkeypatch.setattr(agent_board, "OUTPUT_HELD", 16)
+    queue = agent_board.OutputQueue("pod-a[0]")
+    queue.put(b"0123456789ab")  # 12 held, mid-line
+    queue.put(b"cdefgh\n")  # 19 > 16: dropped
+    queue.put(b"ijklmnop\n")  # dropped too: one gap
+    assert queue.read1() == b"0123456789ab"  # drained: room again
+    queue.put(b"after\n")
+    assert queue.read1() == b"\n[16 bytes of output dropped: more than 0 MiB waiting for the driver's output]\nafter\n"
+    for _ in range(3):
+        queue.put(b"x" * 17)  # a gap at the end: said before EOF
+    queue.close()
+    assert queue.read1().startswith(b"[51 bytes of output dropped") and queue.read1() == b""
+    assert queue.dropped == 16 + 51
+    said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(said) == 1 and "Output of worker pod-a[0] dropped" in said[0]
