@@ -174,6 +174,7 @@ class AgentBoard:
         self._by_worker: dict[str, tuple[Agent, _Worker]] = {}
         self._dropped: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._refused_said: set[str] = set()
+        self._listed: frozenset[str] = frozenset()  # hosts of the job's host source (``list_hosts``)
         self._closing = False
         # At the job's end: agents not yet answered that it ended (the driver waits, bounded,
         # for their polls before its service closes: else they would wait for a driver).
@@ -197,9 +198,24 @@ class AgentBoard:
                 known.last_heard = now
                 return self._welcome()
             holder = self._by_host.get(request.host)
+            if holder is not None and self._unheard(holder, now):
+                # The same name again while the old agent is not heard from: a pod or container
+                # restarted under its name (a StatefulSet's pod, a container restarted in its
+                # pod) before the old one was noticed lost. The newcomer proves the secret:
+                # it replaces the old one at once rather than after the heartbeat timeout.
+                log.warning("Agent on %s replaced: a new agent joined for it while the old one was not heard "
+                            "from for %.1f s (a pod or container restarted under the same name).",
+                            holder.host, now - holder.last_heard)
+                self._drop(holder, f"its agent on {holder.host} was replaced by a new one (restarted)",
+                           "a new agent joined for this host while this one was not heard from")
+                holder = None
             if holder is not None:
                 why = (f"another agent is connected for host {request.host} (two agents on one machine, or two "
                        "pods with one name): give each its own --host-name")
+            elif request.host in self._listed:
+                why = (f"host {request.host} is in the job's host list (-H or the discovery script), where the "
+                       "driver starts its workers itself: give this agent another --host-name, or list the host "
+                       "in one place")
             elif self._closing:
                 why = "the job is ending"
             else:
@@ -212,6 +228,12 @@ class AgentBoard:
             return self._refuse(request, why)
         log.info("Agent on %s joined with %d slot(s).", request.host, request.slots)
         return self._welcome()
+
+    def _unheard(self, agent: Agent, now: float) -> bool:
+        """Is ``agent`` not polling as a live one does? Its waiting poll's connection closed
+        and it did not poll again, or it started none for longer than a poll lasts (a live
+        agent polls again as soon as a poll is answered)."""
+        return agent.closed_at is not None or now - agent.last_heard > self._poll_seconds + CLOSED_GRACE
 
     def _invalid(self, request: p.AgentJoin) -> str:
         if not _AGENT_ID.fullmatch(request.agent_id):
@@ -309,6 +331,13 @@ class AgentBoard:
         """The hosts agents offer now, in the order they joined (older first: lower ranks)."""
         with self.lock:
             return [HostSlots(a.host, a.slots) for a in self._agents.values() if not a.leaving]
+
+    def list_hosts(self, hosts: frozenset[str]) -> None:
+        """The hosts the job's host source (-H, discovery) lists now: an agent that offers one
+        of them is refused at its join (the driver starts that host's workers itself); one
+        connected before its host was listed keeps it (``HostIntake`` ignores the listing)."""
+        with self.lock:
+            self._listed = hosts
 
     def serves(self, host: str) -> bool:
         with self.lock:

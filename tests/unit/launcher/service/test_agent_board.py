@@ -11,6 +11,7 @@ from lightning_elastic import protocol as p
 from lightning_elastic.launcher.job.slots import HostSlots
 from lightning_elastic.launcher.service.agent_board import AgentBoard
 from lightning_elastic.launcher.service.long_poll import LongPoll
+from tests.troubleshooting_rows import assert_documented
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -209,3 +210,52 @@ def test_output_past_the_held_bound_is_dropped_and_said_where_the_gap_is_and_onc
     assert queue.dropped == 16 + 51
     said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(said) == 1 and "Output of worker pod-a[0] dropped" in said[0]
+
+
+def test_an_agent_for_a_host_the_host_source_lists_is_refused_in_one_line():
+    board, _ = make_board()
+    board.list_hosts(frozenset({"node-1"}))
+    refused = board.join(p.AgentJoin(agent_id(1), "node-1", 1))
+    assert not refused.accepted and "host node-1 is in the job's host list (-H or the discovery script)" in refused.reason
+    assert "another --host-name" in refused.reason and board.hosts() == [] and not board.serves("node-1")
+    assert_documented(f"the driver at 10.0.0.1:29400 refused this agent: {refused.reason}")
+    assert board.join(p.AgentJoin(agent_id(2), "pod-a", 1)).accepted
+
+
+def test_a_new_agent_for_a_host_whose_agent_is_not_heard_from_replaces_it(caplog):
+    # A pod or container restarted under the same name (a StatefulSet's pod-0): the old
+    # agent's poll connection closed with its process, and the new one joins before the
+    # old is noticed lost.
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-0", 1))
+    fate, _ = board.start("pod-0", "w1", ("x",), {}, "/")
+    poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 0))
+    poll.answer_now()
+    poll._finish()  # answered: still heard from
+    poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 1))
+    assert poll.answer_now() is None
+    poll._finish()  # its waiting poll's connection closed (its process killed)
+    clock.now += 0.1  # well within CLOSED_GRACE: not lost yet
+    assert board.join(p.AgentJoin(agent_id(2), "pod-0", 1)).accepted
+    assert fate.status == -signal.SIGKILL and fate.host_gone and "replaced by a new one" in fate.detail
+    assert board.hosts() == [HostSlots("pod-0", 1)]
+    [said] = [r.getMessage() for r in caplog.records if "Agent on pod-0 replaced" in r.getMessage()]
+    assert_documented(said)
+    late = answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 1)))  # the old one, if it ever polls again
+    assert late.dropped and "a new agent joined for this host" in late.reason
+    # ... and the new one, polling, is live: a third with the name is refused.
+    answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))
+    refused = board.join(p.AgentJoin(agent_id(3), "pod-0", 1))
+    assert not refused.accepted and "another agent is connected for host pod-0" in refused.reason
+
+
+def test_a_silent_agent_is_replaced_by_a_newcomer_before_the_heartbeat_timeout():
+    from lightning_elastic.launcher.service.agent_board import CLOSED_GRACE
+
+    board, clock = make_board()  # poll period 1 s: a live agent starts a poll at least this often
+    board.join(p.AgentJoin(agent_id(1), "pod-0", 1))
+    clock.now += 1.0 + CLOSED_GRACE / 2
+    assert not board.join(p.AgentJoin(agent_id(2), "pod-0", 1)).accepted  # may still be polling
+    clock.now += CLOSED_GRACE / 2 + 0.1
+    assert clock.now - 100.0 < TIMEOUT  # not lost yet by the heartbeat timeout
+    assert board.join(p.AgentJoin(agent_id(2), "pod-0", 1)).accepted
