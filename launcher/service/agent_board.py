@@ -18,6 +18,13 @@ survivors recover as from a host loss, nothing is blacklisted: the host left wit
 agent, and an agent that comes back is a host added). A graceful leave (SIGTERM to the
 agent) takes the host off the list: its workers leave at their next check, as when
 discovery stops listing a host.
+
+Silence is counted only while this process ran (``liveness.Absences``, as for workers): a
+driver stopped (SIGSTOP, a debugger, a frozen container, a long GC or swap) hears no agent
+meanwhile, and on its return it must not find every agent silent past the timeout before
+its service has read their waiting polls. Every judging call notes the time; a gap between
+two longer than the poll period (the driver's loop judges every tick) starts every agent's
+silence again.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from lightning_elastic import protocol as p
+from lightning_elastic.launcher.job.liveness import Absences
 from lightning_elastic.launcher.job.slots import HostSlots
 from lightning_elastic.launcher.service.long_poll import LongPoll, Signal
 
@@ -168,6 +176,7 @@ class AgentBoard:
         self._heartbeat_timeout = heartbeat_timeout
         self._poll_seconds = poll_seconds
         self._clock = clock
+        self._absences = Absences.starting(clock(), poll_seconds)  # this process's own pauses
         self.lock = threading.Lock()
         self._agents: dict[str, Agent] = {}  # by agent id
         self._by_host: dict[str, Agent] = {}
@@ -191,7 +200,7 @@ class AgentBoard:
         if why:
             return self._refuse(request, why)
         with self.lock:
-            now = self._clock()
+            now = self._now()
             self._expire(now)
             known = self._agents.get(request.agent_id)
             if known is not None:  # the same agent again (a lost reply): still welcome
@@ -205,7 +214,7 @@ class AgentBoard:
                 # it replaces the old one at once rather than after the heartbeat timeout.
                 log.warning("Agent on %s replaced: a new agent joined for it while the old one was not heard "
                             "from for %.1f s (a pod or container restarted under the same name).",
-                            holder.host, now - holder.last_heard)
+                            holder.host, self._absences.silent_for(holder.last_heard, now))
                 self._drop(holder, f"its agent on {holder.host} was replaced by a new one (restarted)",
                            "a new agent joined for this host while this one was not heard from")
                 holder = None
@@ -233,7 +242,8 @@ class AgentBoard:
         """Is ``agent`` not polling as a live one does? Its waiting poll's connection closed
         and it did not poll again, or it started none for longer than a poll lasts (a live
         agent polls again as soon as a poll is answered)."""
-        return agent.closed_at is not None or now - agent.last_heard > self._poll_seconds + CLOSED_GRACE
+        return (agent.closed_at is not None
+                or self._absences.silent_for(agent.last_heard, now) > self._poll_seconds + CLOSED_GRACE)
 
     def _invalid(self, request: p.AgentJoin) -> str:
         if not _AGENT_ID.fullmatch(request.agent_id):
@@ -325,7 +335,7 @@ class AgentBoard:
         """Lose the agents silent past the heartbeat timeout (each turn of the driver's loop:
         O(agents), in memory)."""
         with self.lock:
-            self._expire(self._clock())
+            self._expire(self._now())
 
     def hosts(self) -> list[HostSlots]:
         """The hosts agents offer now, in the order they joined (older first: lower ranks)."""
@@ -375,7 +385,7 @@ class AgentBoard:
         with self.lock:
             found = self._by_worker.get(worker_id)
             if found is not None and found[1].fate.status is None:
-                self._expire_one(found[0], self._clock())
+                self._expire_one(found[0], self._now())
 
     def close(self, timeout: float = 0.0) -> None:
         """The job is over: every agent's poll says so; wait up to ``timeout`` seconds until
@@ -389,10 +399,17 @@ class AgentBoard:
 
     # ----- under the lock --------------------------------------------------------------
 
+    def _now(self) -> float:
+        """The clock, for a judgment of silence: a gap since the previous one longer than the
+        poll period was this process's absence, no agent's (module docstring)."""
+        now = self._clock()
+        self._absences.turn(now)
+        return now
+
     def _heard(self, agent_id: str) -> Agent | None:
         agent = self._agents.get(agent_id)
+        now = self._now()
         if agent is not None:
-            now = self._clock()
             if self._expire_one(agent, now):
                 return None
             agent.last_heard = now
@@ -440,13 +457,13 @@ class AgentBoard:
 
     def _expire_one(self, agent: Agent, now: float) -> bool:
         closed = agent.closed_at
-        if closed is not None and now - closed > CLOSED_GRACE:
+        if closed is not None and self._absences.silent_for(closed, now) > CLOSED_GRACE:
             log.warning("Agent on %s lost: its connection closed and it did not come back within %g s.",
                         agent.host, CLOSED_GRACE)
             self._drop(agent, f"its agent on {agent.host} was lost (its connection closed)",
                        f"its connection closed and it did not poll again within {CLOSED_GRACE:g} s")
             return True
-        silent = now - agent.last_heard
+        silent = self._absences.silent_for(agent.last_heard, now)
         if silent <= self._heartbeat_timeout:
             return False
         log.warning("Agent on %s lost: nothing heard from it for %.1f s (--heartbeat-timeout %g).",

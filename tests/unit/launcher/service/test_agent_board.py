@@ -31,6 +31,15 @@ def make_board(max_slots: int = 8) -> tuple[AgentBoard, Clock]:
     return AgentBoard(max_slots, heartbeat_timeout=TIMEOUT, poll_seconds=1.0, clock=clock), clock
 
 
+def elapse(board: AgentBoard, clock: Clock, seconds: float) -> None:
+    """Time passing while the driver runs: its loop judges the agents every tick (a jump of
+    the clock with no judgment in between is a pause of the driver, forgiven)."""
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now = min(end, clock.now + 0.05)
+        board.expire()
+
+
 def agent_id(n: int) -> str:
     return f"{n:032x}"
 
@@ -126,9 +135,9 @@ def test_an_agent_silent_past_the_heartbeat_timeout_is_lost_with_its_workers_and
     board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
     board.join(p.AgentJoin(agent_id(2), "pod-b", 1))
     fate, _ = board.start("pod-a", "w1", ("x",), {}, "/")
-    clock.now += TIMEOUT / 2
+    elapse(board, clock, TIMEOUT / 2)
     answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b is heard from, pod-a is not
-    clock.now += TIMEOUT / 2 + 0.1
+    elapse(board, clock, TIMEOUT / 2 + 0.1)
     board.check("w1")
     assert fate.status == -signal.SIGKILL and fate.host_gone and "its agent on pod-a was lost" in fate.detail
     version = board.version
@@ -183,9 +192,9 @@ def test_an_agent_whose_waiting_poll_closed_is_lost_unless_it_polls_again_within
         poll = board.poll(p.AgentPoll(agent_id(n), 1.0, 1 if n == 1 else 0))
         assert poll.answer_now() is None
         poll._finish()  # (what the service runs when the connection closes under a waiting poll)
-    clock.now += CLOSED_GRACE / 2
+    elapse(board, clock, CLOSED_GRACE / 2)
     answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b comes back: a broken connection
-    clock.now += CLOSED_GRACE / 2 + 0.1
+    elapse(board, clock, CLOSED_GRACE / 2 + 0.1)
     board.expire()
     assert board.hosts() == [HostSlots("pod-b", 1)]
     assert fate.status == -signal.SIGKILL and fate.host_gone and "its connection closed" in fate.detail
@@ -254,8 +263,53 @@ def test_a_silent_agent_is_replaced_by_a_newcomer_before_the_heartbeat_timeout()
 
     board, clock = make_board()  # poll period 1 s: a live agent starts a poll at least this often
     board.join(p.AgentJoin(agent_id(1), "pod-0", 1))
-    clock.now += 1.0 + CLOSED_GRACE / 2
+    elapse(board, clock, 1.0 + CLOSED_GRACE / 2)
     assert not board.join(p.AgentJoin(agent_id(2), "pod-0", 1)).accepted  # may still be polling
-    clock.now += CLOSED_GRACE / 2 + 0.1
+    elapse(board, clock, CLOSED_GRACE / 2 + 0.1)
     assert clock.now - 100.0 < TIMEOUT  # not lost yet by the heartbeat timeout
     assert board.join(p.AgentJoin(agent_id(2), "pod-0", 1)).accepted
+
+
+def test_a_pause_of_the_driver_is_no_agents_silence():
+    # The driver stopped for three heartbeat timeouts (SIGSTOP, a frozen container): no
+    # agent could be heard meanwhile. On its return its loop judges before the service has
+    # read the agents' waiting polls: no agent is lost for that.
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    board.join(p.AgentJoin(agent_id(2), "pod-b", 1))
+    fate, _ = board.start("pod-a", "w1", ("x",), {}, "/")
+    for _ in range(10):  # the loop judging every tick
+        clock.now += 0.05
+        board.check("w1")
+    clock.now += 3 * TIMEOUT  # away
+    board.check("w1")
+    board.expire()
+    assert fate.status is None and board.hosts() == [HostSlots("pod-a", 1), HostSlots("pod-b", 1)]
+    answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b's poll read: heard, not dropped
+    assert board.serves("pod-b")
+    # Back and running, silence counts again: pod-a, never heard after the pause, is lost
+    # a heartbeat timeout later (judged each tick meanwhile).
+    for _ in range(int(TIMEOUT / 0.5)):
+        clock.now += 0.5
+        board.expire()
+        assert fate.status is None
+    clock.now += 0.5
+    board.check("w1")
+    assert fate.status == -signal.SIGKILL and fate.host_gone and board.hosts() == [HostSlots("pod-b", 1)]
+
+
+def test_a_pause_does_not_hide_a_closed_connection_for_long():
+    from lightning_elastic.launcher.service.agent_board import CLOSED_GRACE
+
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 0))
+    poll._finish()  # closed just before the pause
+    clock.now += 3 * TIMEOUT
+    board.expire()
+    assert board.serves("pod-a")  # the grace starts again with the driver's return
+    elapse(board, clock, CLOSED_GRACE / 2)
+    board.expire()
+    elapse(board, clock, CLOSED_GRACE / 2 + 0.1)
+    board.expire()
+    assert not board.serves("pod-a")
