@@ -152,6 +152,10 @@ class Agent:
                             log.info("SIGTERM: leaving the job; %d worker(s) leave at their next check.",
                                      workers.live())
                     if said_leaving and workers.live() == 0:
+                        workers.end_servers()  # --preload: its fork server, once its workers ended
+                        if not workers.wait_all(STOP_GRACE):
+                            workers.kill_all()
+                            workers.wait_all(STOP_GRACE)
                         events.drained(welcome.heartbeat_timeout)  # their exits told first
                         self._say_gone(channel)
                         log.info("Left the job: every worker has ended.")
@@ -179,8 +183,11 @@ class Agent:
                     continue
                 heard, failures = time.monotonic(), 0
                 if reply.dropped:
-                    workers.kill_all()
-                    workers.wait_all(STOP_GRACE)
+                    if reply.ended:  # the driver stopped the workers: what is left (a fork
+                        self._stop(workers)  # server) ends with SIGTERM, cleaning up after itself
+                    else:
+                        workers.kill_all()
+                        workers.wait_all(STOP_GRACE)
                     raise _Dropped(reply.reason, reply.ended)
                 for order in reply.orders:
                     if order.number <= through:

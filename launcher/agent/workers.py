@@ -21,6 +21,7 @@ import threading
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.hosts.network import collective_interface_env
 from lightning_elastic.launcher.node.spawn import end_leftovers_at_exit, signal_group, spawn_worker
+from lightning_elastic.launcher.processes.warm_start import SERVER_MODULE
 from lightning_elastic.launcher.secret_source import ENV_SECRET
 
 OUTPUT_CHUNK = 4096  # bytes of output per event: many events fit one report
@@ -117,6 +118,13 @@ class Events:
 class _Running:
     proc: subprocess.Popen[bytes]
     output: threading.Thread
+    # The host's --preload fork server (launcher/processes/warm_start.py), started by the
+    # driver as a worker: no worker of the job, it serves them and ends after them.
+    server: bool = False
+
+
+def is_fork_server(command: tuple[str, ...]) -> bool:
+    return command[1:3] == ("-m", SERVER_MODULE)
 
 
 class Workers:
@@ -130,8 +138,16 @@ class Workers:
         self._ended = threading.Condition(self._lock)
 
     def live(self) -> int:
+        """The job's workers running here (a fork server is none: ``end_servers``)."""
         with self._lock:
-            return len(self._running)
+            return sum(not running.server for running in self._running.values())
+
+    def end_servers(self) -> None:
+        """SIGTERM the fork servers (each removes its directory), once no worker needs them."""
+        with self._lock:
+            for running in self._running.values():
+                if running.server:
+                    signal_group(running.proc.pid, signal.SIGTERM)
 
     def start(self, order: p.AgentOrder) -> None:
         worker_id = order.worker_id
@@ -155,7 +171,7 @@ class Workers:
             self._events.add(p.AgentEventKind.STARTED, worker_id, pid=proc.pid)
             output = threading.Thread(target=self._forward, args=(worker_id, proc), name=f"output-{proc.pid}",
                                       daemon=True)
-            self._running[worker_id] = _Running(proc, output)
+            self._running[worker_id] = _Running(proc, output, is_fork_server(order.command))
         output.start()
         threading.Thread(target=self._reap, args=(worker_id, proc, output), name=f"reaper-{proc.pid}",
                          daemon=True).start()

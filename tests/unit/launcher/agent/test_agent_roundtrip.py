@@ -5,6 +5,7 @@ output, signals and exit (small real processes; no job, no rendezvous of workers
 from __future__ import annotations
 
 import io
+import logging
 import signal
 import sys
 import threading
@@ -126,3 +127,36 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_preload_on_an_agents_host_forks_its_workers_from_a_server_the_agent_ends_at_its_leave(wired, tmp_path,
+                                                                                                 caplog):
+    # --preload with agents: the driver starts the host's fork server through its agent (as
+    # through ssh), its workers are forks of it; at a graceful leave the agent ends the
+    # server once the workers have ended (SIGTERM: it removes its directory), and exits.
+    import os
+
+    from lightning_elastic.launcher.node.fork_client import server_directory
+    from lightning_elastic.launcher.processes.warm_start import WarmStarts
+    from lightning_elastic.protocol import ENV_SECRET_FD
+
+    board, launcher, out, agent, code = wired
+    caplog.set_level(logging.INFO)
+    warm = WarmStarts(launcher, ("json",), lambda host: False, ENV_SECRET_FD)
+    script = tmp_path / "worker.py"
+    script.write_text("import os, time\nprint('parent', os.getppid(), flush=True)\ntime.sleep(1.0)\n")
+    proc = warm.start(WorkerSpec("w5", "agent-host", (sys.executable, str(script)), {}, SECRET, cwd=str(tmp_path)),
+                      lambda: "[w5] ")
+    [server] = warm._servers.values()
+    server_pid = wait_for(lambda: server.process.pid, 20, "the fork server to start")
+    assert "Workers on agent-host fork from a server that preloads json (started by its agent)." in caplog.text
+    assert wait_for(lambda: proc.poll() is not None, 30, "the worker's exit")
+    proc.finish_output(5)
+    assert proc.poll() == 0, out.getvalue()
+    assert f"[w5] parent {server_pid}\n" in out.getvalue(), out.getvalue()  # forked by the server
+    assert os.path.isdir(server_directory(server.token))
+    agent.request_leave()
+    wait_for(lambda: code, 20, "the agent to exit")
+    assert code == [0]
+    assert not _alive(server_pid) and not os.path.exists(server_directory(server.token))
+    assert "Workers still running" not in caplog.text  # not stopped at the leave timeout: ended at once
