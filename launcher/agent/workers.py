@@ -183,7 +183,15 @@ class Workers:
                 signal_group(running.proc.pid, sig)
 
     def kill_all(self) -> None:
-        """SIGKILL every worker (the driver lost this agent, or it gave up on the driver)."""
+        """SIGKILL every worker (the driver lost this agent, or it gave up on the driver). A
+        fork server gets SIGTERM: it has no state to lose, and ends removing its directory
+        (its forks die with it); ``force_all`` if it has not ended after a grace."""
+        with self._lock:
+            for running in self._running.values():
+                signal_group(running.proc.pid, signal.SIGTERM if running.server else signal.SIGKILL)
+
+    def force_all(self) -> None:
+        """SIGKILL everything still running, fork servers included."""
         with self._lock:
             for running in self._running.values():
                 signal_group(running.proc.pid, signal.SIGKILL)

@@ -160,3 +160,42 @@ def test_preload_on_an_agents_host_forks_its_workers_from_a_server_the_agent_end
     assert code == [0]
     assert not _alive(server_pid) and not os.path.exists(server_directory(server.token))
     assert "Workers still running" not in caplog.text  # not stopped at the leave timeout: ended at once
+
+
+def test_an_agent_that_loses_its_driver_kills_its_workers_and_ends_its_fork_server_cleanly(tmp_path):
+    # The host is lost to the job: its workers are SIGKILLed, its fork server (no state to
+    # lose) gets SIGTERM and removes its directory, leaving nothing on the machine.
+    import os
+
+    from lightning_elastic.launcher.node.fork_client import server_directory
+    from lightning_elastic.launcher.processes.warm_start import WarmStarts
+    from lightning_elastic.protocol import ENV_SECRET_FD
+
+    board = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
+    server = RendezvousServer(Registry(), SECRET, agents=board)
+    server.start()
+    agent = Agent(AgentSettings("127.0.0.1", server.port, 1, "agent-host", SECRET, leave_timeout=5.0))
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: board.serves("agent-host"), 10, "the agent to join")
+        warm = WarmStarts(AgentLauncher(board, None, OutputSink(io.StringIO())), ("json",), lambda host: False,
+                          ENV_SECRET_FD)
+        script = tmp_path / "worker.py"
+        script.write_text("import time\ntime.sleep(60)\n")
+        proc = warm.start(WorkerSpec("w1", "agent-host", (sys.executable, str(script)), {}, SECRET,
+                                     cwd=str(tmp_path)), lambda: "")
+        [fork_server] = warm._servers.values()
+        server_pid = wait_for(lambda: fork_server.process.pid, 20, "the fork server to start")
+        client = wait_for(lambda: proc.pid, 20, "the worker to start")
+        directory = server_directory(fork_server.token)
+        wait_for(lambda: os.path.isdir(directory), 20, "the fork server to listen")
+        server.close()  # the driver is gone
+        wait_for(lambda: not _alive(client) and not _alive(server_pid), 20, "the agent to end its workers")
+        assert not os.path.exists(directory)  # ended by SIGTERM, not SIGKILL
+    finally:
+        agent.request_leave()
+        thread.join(10)
+        server.close()
+    assert code == [0]
