@@ -355,13 +355,16 @@ def fork_server_of(pid: int) -> int:
 
 def test_preload_on_agents_forks_workers_from_each_hosts_server_which_ends_with_its_agent(job: Job, agents: Agents,
                                                                                           hosts: NamespacedHosts) -> None:
-    h1, h2, h3 = hosts.names
     job.start(driver_args(agents, "-np", "2", "--min-np", "1", "--max-np", "2", "--preload", "torch"),
               [*TRAIN, "--epochs", "4"])
-    for name in (h1, h2, h3):  # h3 is a spare: its server started before it has a worker
+    for name in hosts.names:
         agents.start(name)
     job.wait_rounds(1, timeout=60)
     job.wait_steps(4)
+    # Two of them train (the first two to join); the third is a spare, its server started
+    # before it has a worker.
+    h1, h2 = sorted(h for h in hosts.names if worker_pids(job, h))
+    [h3] = [h for h in hosts.names if h not in (h1, h2)]
     wait_for(lambda: len(re.findall("fork from a server that preloads torch", job.stderr())) == 3, 60,
              "a fork server on each agent's host")
     assert "started by its agent" in job.stderr()
