@@ -152,6 +152,10 @@ class Agent:
                             log.info("SIGTERM: leaving the job; %d worker(s) leave at their next check.",
                                      workers.live())
                     if said_leaving and workers.live() == 0:
+                        workers.end_servers()  # --preload: its fork server, once its workers ended
+                        if not workers.wait_all(STOP_GRACE):
+                            workers.force_all()
+                            workers.wait_all(STOP_GRACE)
                         events.drained(welcome.heartbeat_timeout)  # their exits told first
                         self._say_gone(channel)
                         log.info("Left the job: every worker has ended.")
@@ -169,8 +173,7 @@ class Agent:
                     if silent > welcome.heartbeat_timeout:
                         log.warning("The driver at %s is unreachable for %.1f s (%s): it counts this host lost; "
                                     "stopping %d worker(s).", channel.address, silent, err, workers.live())
-                        workers.kill_all()
-                        workers.wait_all(STOP_GRACE)
+                        self._kill(workers)
                         raise _Dropped("unreachable") from None
                     # The first retry at once: the driver counts an agent whose poll's
                     # connection closed as lost unless it polls again within seconds.
@@ -179,8 +182,10 @@ class Agent:
                     continue
                 heard, failures = time.monotonic(), 0
                 if reply.dropped:
-                    workers.kill_all()
-                    workers.wait_all(STOP_GRACE)
+                    if reply.ended:  # the driver stopped the workers: what is left (a fork
+                        self._stop(workers)  # server) ends with SIGTERM, cleaning up after itself
+                    else:
+                        self._kill(workers)
                     raise _Dropped(reply.reason, reply.ended)
                 for order in reply.orders:
                     if order.number <= through:
@@ -192,8 +197,7 @@ class Agent:
                     through = order.number
         except NotTheDriver as err:
             log.error("Cannot trust the driver's reply any more (%s): stopping every worker.", err)
-            workers.kill_all()
-            workers.wait_all(STOP_GRACE)
+            self._kill(workers)
             return EXIT_REFUSED
         finally:
             self._stopped.set()
@@ -217,7 +221,14 @@ class Agent:
         workers.signal_all(signal.SIGTERM)
         workers.signal_all(signal.SIGCONT)
         if not workers.wait_all(STOP_GRACE):
-            workers.kill_all()
+            workers.force_all()
+
+    def _kill(self, workers: Workers) -> None:
+        """The host is lost to the job: its workers SIGKILLed now (a fork server ended)."""
+        workers.kill_all()
+        if not workers.wait_all(STOP_GRACE):
+            workers.force_all()
+            workers.wait_all(STOP_GRACE)
 
     def _report(self, events: Events) -> None:
         """Send the events in order until acknowledged, on a connection of its own."""

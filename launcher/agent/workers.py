@@ -21,11 +21,16 @@ import threading
 from lightning_elastic import protocol as p
 from lightning_elastic.launcher.hosts.network import collective_interface_env
 from lightning_elastic.launcher.node.spawn import end_leftovers_at_exit, signal_group, spawn_worker
+from lightning_elastic.launcher.processes.warm_start import SERVER_MODULE
 from lightning_elastic.launcher.secret_source import ENV_SECRET
 
 OUTPUT_CHUNK = 4096  # bytes of output per event: many events fit one report
 REPORT_BYTES = 48 * 1024  # the most event text one report carries (the service takes 64 KiB)
 OUTPUT_AFTER_EXIT = 2.0  # how long the output of an exited worker may still take to drain
+# A worker's output the driver has not acknowledged yet (it is unreachable, or slower than
+# the worker prints): past this its newest output is dropped, and the stream says how much
+# where the gap is, rather than the agent's memory growing with the worker's output.
+OUTPUT_PENDING = 4 * 1024 * 1024
 
 
 class Events:
@@ -35,12 +40,42 @@ class Events:
         self._cond = threading.Condition()
         self._pending: list[p.AgentEvent] = []
         self._next = 1
+        self._output_held: dict[str, int] = {}  # worker id -> output characters pending
+        self._gaps: dict[str, int] = {}  # worker id -> output bytes dropped, not said yet
+        self._mid_line: set[str] = set()  # workers whose last output kept ended mid-line
 
     def add(self, kind: p.AgentEventKind, worker_id: str, **fields: object) -> None:
         with self._cond:
-            self._pending.append(p.AgentEvent(self._next, kind, worker_id, **fields))  # type: ignore[arg-type]
-            self._next += 1
-            self._cond.notify_all()
+            if kind is p.AgentEventKind.OUTPUT:
+                output = str(fields["output"])
+                held = self._output_held.get(worker_id, 0)
+                if held + len(output) > OUTPUT_PENDING:
+                    self._gaps[worker_id] = self._gaps.get(worker_id, 0) + len(output.encode(errors="replace"))
+                    return
+                output = self._gap_said(worker_id) + output
+                fields["output"] = output
+                self._output_held[worker_id] = held + len(output)
+                if output.endswith("\n"):
+                    self._mid_line.discard(worker_id)
+                else:
+                    self._mid_line.add(worker_id)
+            elif kind is p.AgentEventKind.EXITED:
+                if worker_id in self._gaps:
+                    self._append(p.AgentEventKind.OUTPUT, worker_id, output=self._gap_said(worker_id))
+                self._mid_line.discard(worker_id)
+            self._append(kind, worker_id, **fields)
+
+    def _gap_said(self, worker_id: str) -> str:
+        dropped = self._gaps.pop(worker_id, 0)
+        if not dropped:
+            return ""
+        start = "\n" if worker_id in self._mid_line else ""  # the line on its own
+        return f"{start}[{dropped} bytes of output dropped: more than {OUTPUT_PENDING >> 20} MiB of it not yet taken by the driver]\n"
+
+    def _append(self, kind: p.AgentEventKind, worker_id: str, **fields: object) -> None:
+        self._pending.append(p.AgentEvent(self._next, kind, worker_id, **fields))  # type: ignore[arg-type]
+        self._next += 1
+        self._cond.notify_all()
 
     def batch(self, timeout: float) -> tuple[p.AgentEvent, ...]:
         """The oldest unacknowledged events that fit one report; () after ``timeout`` with none."""
@@ -57,6 +92,15 @@ class Events:
 
     def acknowledged(self, through: int) -> None:
         with self._cond:
+            for event in self._pending:
+                if event.number > through:
+                    break
+                if event.kind is p.AgentEventKind.OUTPUT:
+                    left = self._output_held.get(event.worker_id, 0) - len(event.output)
+                    if left > 0:
+                        self._output_held[event.worker_id] = left
+                    else:
+                        self._output_held.pop(event.worker_id, None)
             self._pending = [e for e in self._pending if e.number > through]
             self._cond.notify_all()
 
@@ -74,6 +118,13 @@ class Events:
 class _Running:
     proc: subprocess.Popen[bytes]
     output: threading.Thread
+    # The host's --preload fork server (launcher/processes/warm_start.py), started by the
+    # driver as a worker: no worker of the job, it serves them and ends after them.
+    server: bool = False
+
+
+def is_fork_server(command: tuple[str, ...]) -> bool:
+    return command[1:3] == ("-m", SERVER_MODULE)
 
 
 class Workers:
@@ -87,8 +138,16 @@ class Workers:
         self._ended = threading.Condition(self._lock)
 
     def live(self) -> int:
+        """The job's workers running here (a fork server is none: ``end_servers``)."""
         with self._lock:
-            return len(self._running)
+            return sum(not running.server for running in self._running.values())
+
+    def end_servers(self) -> None:
+        """SIGTERM the fork servers (each removes its directory), once no worker needs them."""
+        with self._lock:
+            for running in self._running.values():
+                if running.server:
+                    signal_group(running.proc.pid, signal.SIGTERM)
 
     def start(self, order: p.AgentOrder) -> None:
         worker_id = order.worker_id
@@ -112,7 +171,7 @@ class Workers:
             self._events.add(p.AgentEventKind.STARTED, worker_id, pid=proc.pid)
             output = threading.Thread(target=self._forward, args=(worker_id, proc), name=f"output-{proc.pid}",
                                       daemon=True)
-            self._running[worker_id] = _Running(proc, output)
+            self._running[worker_id] = _Running(proc, output, is_fork_server(order.command))
         output.start()
         threading.Thread(target=self._reap, args=(worker_id, proc, output), name=f"reaper-{proc.pid}",
                          daemon=True).start()
@@ -124,7 +183,15 @@ class Workers:
                 signal_group(running.proc.pid, sig)
 
     def kill_all(self) -> None:
-        """SIGKILL every worker (the driver lost this agent, or it gave up on the driver)."""
+        """SIGKILL every worker (the driver lost this agent, or it gave up on the driver). A
+        fork server gets SIGTERM: it has no state to lose, and ends removing its directory
+        (its forks die with it); ``force_all`` if it has not ended after a grace."""
+        with self._lock:
+            for running in self._running.values():
+                signal_group(running.proc.pid, signal.SIGTERM if running.server else signal.SIGKILL)
+
+    def force_all(self) -> None:
+        """SIGKILL everything still running, fork servers included."""
         with self._lock:
             for running in self._running.values():
                 signal_group(running.proc.pid, signal.SIGKILL)

@@ -39,15 +39,18 @@ class HostIntake:
             if latest.hosts is None:
                 return HostsListed(None, latest.error)
             self._discovered = list(latest.hosts)  # kept for the turns in which only agents change
-        discovered = {h.host for h in self._discovered}
-        offered = []
-        for host in agents.hosts() if agents is not None else []:
-            if host.host in discovered:  # one host, one source: its workers would start twice
-                self._refuse(host.host, "an agent offers it and the host source lists it too; give the agent "
-                                        "another --host-name, or list the host in one place")
-            else:
-                offered.append(host)
-        listed = [*self._discovered, *offered]
+        offered = agents.hosts() if agents is not None else []
+        if agents is not None:
+            agents.list_hosts(frozenset(h.host for h in self._discovered))
+        # One host, one source (its workers would start twice). The board refuses an agent
+        # for a listed host; an agent connected before discovery listed its host keeps it
+        # (its workers run there), and the listing is ignored while it stays connected.
+        served = {h.host for h in offered}
+        for host in self._discovered:
+            if host.host in served:
+                self._refuse(host.host, "an agent connected for it before the host source listed it; the agent "
+                                        "keeps it (list the host in one place)")
+        listed = [*(h for h in self._discovered if h.host not in served), *offered]
         return HostsListed(tuple(h for h in listed if self._reachable(h.host)),
                            latest.error if latest is not None else None)
 

@@ -103,12 +103,14 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
         else:
             local = LocalLauncher(sink)
         router: WorkerLauncher = HostRouter(local, ssh, classifier.is_local)
-        warm = WarmStarts(router, config.preload, classifier.is_local, p.ENV_SECRET_FD) if config.preload else None
         board = None
         if config.agents is not None:  # hosts an agent serves get their workers through it
             t = config.timeouts
             board = AgentBoard(config.max_np, t.heartbeat_timeout, t.heartbeat_period)
             router = AgentLauncher(board, router, sink)
+        # --preload over every route: an agent's host gets its fork server through its agent,
+        # as an ssh host through ssh.
+        warm = WarmStarts(router, config.preload, classifier.is_local, p.ENV_SECRET_FD) if config.preload else None
         try:
             result = run_driver(Driver(config, make_discovery(config), warm or router, classifier.is_local,
                                        resolves=classifier.resolves, keeping=keeping, agents=board,

@@ -81,7 +81,9 @@ class WarmStarts:
         except StartError as err:
             log.error("--preload: cannot start the fork server on %s: %s", machine, err)
             return None
-        log.info("Workers on %s fork from a server that preloads %s (pid %d).", machine, self._modules, process.pid)
+        # (An agent's host: its pid is known once the agent reported the start, not yet.)
+        log.info("Workers on %s fork from a server that preloads %s (%s).", machine, self._modules,
+                 f"pid {process.pid}" if process.pid else "started by its agent")
         server = self._servers[machine] = _Server(token, process)
         return server
 

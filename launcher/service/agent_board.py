@@ -18,6 +18,13 @@ survivors recover as from a host loss, nothing is blacklisted: the host left wit
 agent, and an agent that comes back is a host added). A graceful leave (SIGTERM to the
 agent) takes the host off the list: its workers leave at their next check, as when
 discovery stops listing a host.
+
+Silence is counted only while this process ran (``liveness.Absences``, as for workers): a
+driver stopped (SIGSTOP, a debugger, a frozen container, a long GC or swap) hears no agent
+meanwhile, and on its return it must not find every agent silent past the timeout before
+its service has read their waiting polls. Every judging call notes the time; a gap between
+two longer than the poll period (the driver's loop judges every tick) starts every agent's
+silence again.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from lightning_elastic import protocol as p
+from lightning_elastic.launcher.job.liveness import Absences
 from lightning_elastic.launcher.job.slots import HostSlots
 from lightning_elastic.launcher.service.long_poll import LongPoll, Signal
 
@@ -52,19 +60,28 @@ DROPPED_KEPT = 4096
 # heartbeat timeout would cost every survivor that long.
 CLOSED_GRACE = 2.0
 # Worker output held for the driver's forwarder beyond what it drained: past this the
-# newest chunks are dropped (said once per worker), never the agent's requests stalled.
+# newest chunks are dropped, never the agent's requests stalled; a drop is said in the
+# worker's stream where the gap is (one line per gap) and once per worker in the driver's log.
 OUTPUT_HELD = 4 * 1024 * 1024
+
+
+def dropped_line(nbytes: int, why: str) -> bytes:
+    """The line a worker's stream holds where ``nbytes`` of its output were dropped."""
+    return f"[{nbytes} bytes of output dropped: {why}]\n".encode()
 
 
 class OutputQueue:
     """A worker's output as the agent reports it, read by the driver's ``LineForwarder``
     like a pipe (``read1``): chunks put by the service, EOF once the worker ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str = "") -> None:
+        self._worker_id = worker_id
         self._chunks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._held = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._ends_line = True  # the last chunk queued ended a line (a gap's line starts on its own)
+        self._gap = 0  # bytes dropped since the last chunk queued: said before the next one
         self.dropped = 0
 
     def put(self, data: bytes) -> None:
@@ -72,17 +89,39 @@ class OutputQueue:
             if self._closed or not data:
                 return
             if self._held + len(data) > OUTPUT_HELD:
+                if not self.dropped:
+                    log.warning("Output of worker %s dropped: more than %d MiB of it waiting for the driver's "
+                                "output; its log says how much where the gap is.", self._worker_id,
+                                OUTPUT_HELD >> 20)
                 self.dropped += len(data)
+                self._gap += len(data)
                 return
-            self._held += len(data)
-        self._chunks.put(data)
+            self._queue(self._gap_said() + data)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._chunks.put(b"")
+            gap = self._gap_said()
+            if gap:
+                self._queue(gap)
+            self._chunks.put(b"")
+
+    def _gap_said(self) -> bytes:
+        """The line for the bytes dropped since the last chunk (b"" if none); the held bound
+        may be passed by this line: one per gap, and a gap follows a chunk held."""
+        if not self._gap:
+            return b""
+        said = (b"" if self._ends_line else b"\n") + dropped_line(
+            self._gap, f"more than {OUTPUT_HELD >> 20} MiB waiting for the driver's output")
+        self._gap = 0
+        return said
+
+    def _queue(self, data: bytes) -> None:
+        self._held += len(data)
+        self._ends_line = data.endswith(b"\n")
+        self._chunks.put(data)
 
     def read1(self, size: int = -1) -> bytes:
         chunk = self._chunks.get()
@@ -137,12 +176,14 @@ class AgentBoard:
         self._heartbeat_timeout = heartbeat_timeout
         self._poll_seconds = poll_seconds
         self._clock = clock
+        self._absences = Absences.starting(clock(), poll_seconds)  # this process's own pauses
         self.lock = threading.Lock()
         self._agents: dict[str, Agent] = {}  # by agent id
         self._by_host: dict[str, Agent] = {}
         self._by_worker: dict[str, tuple[Agent, _Worker]] = {}
         self._dropped: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._refused_said: set[str] = set()
+        self._listed: frozenset[str] = frozenset()  # hosts of the job's host source (``list_hosts``)
         self._closing = False
         # At the job's end: agents not yet answered that it ended (the driver waits, bounded,
         # for their polls before its service closes: else they would wait for a driver).
@@ -159,16 +200,31 @@ class AgentBoard:
         if why:
             return self._refuse(request, why)
         with self.lock:
-            now = self._clock()
+            now = self._now()
             self._expire(now)
             known = self._agents.get(request.agent_id)
             if known is not None:  # the same agent again (a lost reply): still welcome
                 known.last_heard = now
                 return self._welcome()
             holder = self._by_host.get(request.host)
+            if holder is not None and self._unheard(holder, now):
+                # The same name again while the old agent is not heard from: a pod or container
+                # restarted under its name (a StatefulSet's pod, a container restarted in its
+                # pod) before the old one was noticed lost. The newcomer proves the secret:
+                # it replaces the old one at once rather than after the heartbeat timeout.
+                log.warning("Agent on %s replaced: a new agent joined for it while the old one was not heard "
+                            "from for %.1f s (a pod or container restarted under the same name).",
+                            holder.host, self._absences.silent_for(holder.last_heard, now))
+                self._drop(holder, f"its agent on {holder.host} was replaced by a new one (restarted)",
+                           "a new agent joined for this host while this one was not heard from")
+                holder = None
             if holder is not None:
                 why = (f"another agent is connected for host {request.host} (two agents on one machine, or two "
                        "pods with one name): give each its own --host-name")
+            elif request.host in self._listed:
+                why = (f"host {request.host} is in the job's host list (-H or the discovery script), where the "
+                       "driver starts its workers itself: give this agent another --host-name, or list the host "
+                       "in one place")
             elif self._closing:
                 why = "the job is ending"
             else:
@@ -181,6 +237,13 @@ class AgentBoard:
             return self._refuse(request, why)
         log.info("Agent on %s joined with %d slot(s).", request.host, request.slots)
         return self._welcome()
+
+    def _unheard(self, agent: Agent, now: float) -> bool:
+        """Is ``agent`` not polling as a live one does? Its waiting poll's connection closed
+        and it did not poll again, or it started none for longer than a poll lasts (a live
+        agent polls again as soon as a poll is answered)."""
+        return (agent.closed_at is not None
+                or self._absences.silent_for(agent.last_heard, now) > self._poll_seconds + CLOSED_GRACE)
 
     def _invalid(self, request: p.AgentJoin) -> str:
         if not _AGENT_ID.fullmatch(request.agent_id):
@@ -272,12 +335,19 @@ class AgentBoard:
         """Lose the agents silent past the heartbeat timeout (each turn of the driver's loop:
         O(agents), in memory)."""
         with self.lock:
-            self._expire(self._clock())
+            self._expire(self._now())
 
     def hosts(self) -> list[HostSlots]:
         """The hosts agents offer now, in the order they joined (older first: lower ranks)."""
         with self.lock:
             return [HostSlots(a.host, a.slots) for a in self._agents.values() if not a.leaving]
+
+    def list_hosts(self, hosts: frozenset[str]) -> None:
+        """The hosts the job's host source (-H, discovery) lists now: an agent that offers one
+        of them is refused at its join (the driver starts that host's workers itself); one
+        connected before its host was listed keeps it (``HostIntake`` ignores the listing)."""
+        with self.lock:
+            self._listed = hosts
 
     def serves(self, host: str) -> bool:
         with self.lock:
@@ -287,7 +357,7 @@ class AgentBoard:
               cwd: str) -> tuple[WorkerFate, OutputQueue]:
         """Order the agent of ``host`` to start a worker; its fate is filled in as the agent
         reports. A host whose agent is gone gives a worker lost with it."""
-        output = OutputQueue()
+        output = OutputQueue(worker_id)
         worker = _Worker(worker_id, output)
         with self.lock:
             agent = self._by_host.get(host)
@@ -315,7 +385,7 @@ class AgentBoard:
         with self.lock:
             found = self._by_worker.get(worker_id)
             if found is not None and found[1].fate.status is None:
-                self._expire_one(found[0], self._clock())
+                self._expire_one(found[0], self._now())
 
     def close(self, timeout: float = 0.0) -> None:
         """The job is over: every agent's poll says so; wait up to ``timeout`` seconds until
@@ -329,10 +399,17 @@ class AgentBoard:
 
     # ----- under the lock --------------------------------------------------------------
 
+    def _now(self) -> float:
+        """The clock, for a judgment of silence: a gap since the previous one longer than the
+        poll period was this process's absence, no agent's (module docstring)."""
+        now = self._clock()
+        self._absences.turn(now)
+        return now
+
     def _heard(self, agent_id: str) -> Agent | None:
         agent = self._agents.get(agent_id)
+        now = self._now()
         if agent is not None:
-            now = self._clock()
             if self._expire_one(agent, now):
                 return None
             agent.last_heard = now
@@ -380,13 +457,13 @@ class AgentBoard:
 
     def _expire_one(self, agent: Agent, now: float) -> bool:
         closed = agent.closed_at
-        if closed is not None and now - closed > CLOSED_GRACE:
+        if closed is not None and self._absences.silent_for(closed, now) > CLOSED_GRACE:
             log.warning("Agent on %s lost: its connection closed and it did not come back within %g s.",
                         agent.host, CLOSED_GRACE)
             self._drop(agent, f"its agent on {agent.host} was lost (its connection closed)",
                        f"its connection closed and it did not poll again within {CLOSED_GRACE:g} s")
             return True
-        silent = now - agent.last_heard
+        silent = self._absences.silent_for(agent.last_heard, now)
         if silent <= self._heartbeat_timeout:
             return False
         log.warning("Agent on %s lost: nothing heard from it for %.1f s (--heartbeat-timeout %g).",

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.integration.harness import (
@@ -27,6 +28,7 @@ from tests.integration.harness import (
     assert_replicas_identical,
     wait_for,
 )
+from tests.integration import test_lightning as lightning
 from tests.integration.namespaces import NamespacedHosts
 from tests.troubleshooting_rows import assert_documented
 from tests.integration.test_multi_machine import (
@@ -309,4 +311,84 @@ def test_a_rolling_replacement_of_every_agent_never_loses_the_state(job: Job, ag
     assert {e["pid"] for e in job.events("done")} == worker_pids(job, h3) | worker_pids(job, h4)
     assert not old & {e["pid"] for e in job.events("done")}
     assert_epochs_complete(job, 6)
+    assert_replicas_identical(job)
+
+
+def test_lightning_under_agents_trains_at_2_and_recovers_an_agent_sigkilled(job: Job, agents: Agents,
+                                                                             hosts: NamespacedHosts) -> None:
+    # Trainer(strategy="elastic_hvd") + ElasticCallback (examples/lightning_classifier.py)
+    # on two agents' hosts: one agent SIGKILLed with its worker, the survivor goes on in its
+    # own process, every epoch exactly once.
+    h1, h2, _ = hosts.names
+    lightning.start(job, driver_args(agents, "-np", "2", "--min-np", "1"), step_delay=0.2)
+    for name in (h1, h2):
+        agents.start(name)
+    job.wait_rounds(1, timeout=60)
+    assert job.rounds_formed() == [2]
+    job.wait_steps(5)
+    # Rank 0's host (the logger's writer moves to the survivor).
+    [rank0] = [e for e in job.events("start") if e["rank"] == 0]
+    lost = next(h for h in (h1, h2) if rank0["worker"].startswith(f"{h}["))
+    kept = h2 if lost == h1 else h1
+    [survivor] = worker_pids(job, kept)
+    agents.procs[lost].send_signal(signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{rank0['pid']}"), 10, "the killed agent's worker to die with it")
+    assert job.wait(timeout=180) == 0, job.stderr()[-3000:]
+    err = job.stderr()
+    assert job.world_sizes() == [2, 1]
+    assert f"Agent on {lost} lost: its connection closed" in err
+    assert "Blacklisted" not in err
+    assert {e["pid"] for e in job.events("done")} == {survivor}  # the same process, not restarted
+    history = lightning.assert_exactly_once(job)
+    lightning.assert_final_state(job, history, start_size=2, end_size=1)
+    lightning.assert_replicas_identical_after_resets(job)
+    assert agents.wait(kept, 30) == 0
+    assert "The job ended: exiting." in agents.output(kept)
+
+
+def fork_server_of(pid: int) -> int:
+    """The fork server a worker was forked from (its parent), checked to be one (--preload)."""
+    parent = psutil.Process(pid).parent()
+    assert parent is not None and "lightning_elastic.launcher.node.fork_server" in parent.cmdline(), parent
+    return parent.pid
+
+
+def test_preload_on_agents_forks_workers_from_each_hosts_server_which_ends_with_its_agent(job: Job, agents: Agents,
+                                                                                          hosts: NamespacedHosts) -> None:
+    job.start(driver_args(agents, "-np", "2", "--min-np", "1", "--max-np", "2", "--preload", "torch"),
+              [*TRAIN, "--epochs", "4"])
+    for name in hosts.names:
+        agents.start(name)
+    job.wait_rounds(1, timeout=60)
+    job.wait_steps(4)
+    # Two of them train (the first two to join); the third is a spare, its server started
+    # before it has a worker.
+    h1, h2 = sorted(h for h in hosts.names if worker_pids(job, h))
+    [h3] = [h for h in hosts.names if h not in (h1, h2)]
+    wait_for(lambda: len(re.findall("fork from a server that preloads torch", job.stderr())) == 3, 60,
+             "a fork server on each agent's host")
+    assert "started by its agent" in job.stderr()
+    [victim] = worker_pids(job, h1)
+    servers = {h1: fork_server_of(victim), h2: fork_server_of(next(iter(worker_pids(job, h2))))}
+    assert servers[h1] != servers[h2]
+    os.kill(victim, signal.SIGKILL)  # the worker, not its agent: the spare's replacement is forked warm
+    replacement = wait_for(lambda: next(iter(worker_pids(job, h3)), None), 60, "the replacement on the spare")
+    servers[h3] = fork_server_of(replacement)
+    assert len(set(servers.values())) == 3
+    job.wait_steps(max(e["step"] for e in job.events("step")) + 3)
+
+    agents.procs[h2].send_signal(signal.SIGTERM)  # a graceful leave ends its host's server too
+    assert agents.wait(h2, 30) == 0
+    assert "Left the job: every worker has ended." in agents.output(h2)
+    assert "Workers still running" not in agents.output(h2)  # not stopped at the leave timeout
+    wait_for(lambda: not psutil.pid_exists(servers[h2]) or psutil.Process(servers[h2]).status() == psutil.STATUS_ZOMBIE,
+             10, "the leaving agent's fork server to end")
+
+    assert job.wait(timeout=120) == 0, job.stderr()[-3000:]
+    assert "starting cold" not in job.stdout() + job.stderr()
+    for name in (h1, h3):
+        assert agents.wait(name, 30) == 0
+    for pid in servers.values():
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert_epochs_complete(job, 4)
     assert_replicas_identical(job)

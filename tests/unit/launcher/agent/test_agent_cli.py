@@ -86,3 +86,13 @@ def test_launch_agents_needs_np_and_a_secret_file_only_with_agents(secret_file, 
     config = config_from_args(parse_args(["launch", "--agents", "--secret-file", str(secret_file), "-np", "2",
                                           "--port", "29400", "--driver-address", "127.0.0.1", "train.py"], {}))
     assert config.agents is not None and config.agents.secret == SECRET and SECRET not in repr(config)
+
+
+def test_launch_agents_takes_preload(secret_file, tmp_path, monkeypatch):
+    # An agent's host gets its fork server through its agent (launcher/driver/launch.py).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    config = config_from_args(parse_args(["launch", "--agents", "--secret-file", str(secret_file), "-np", "2",
+                                          "--port", "29400", "--driver-address", "127.0.0.1", "--preload", "torch",
+                                          "python", "train.py"], {}))
+    assert config.agents is not None and config.preload == ("torch",)

@@ -5,6 +5,7 @@ output, signals and exit (small real processes; no job, no rendezvous of workers
 from __future__ import annotations
 
 import io
+import logging
 import signal
 import sys
 import threading
@@ -126,3 +127,75 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_preload_on_an_agents_host_forks_its_workers_from_a_server_the_agent_ends_at_its_leave(wired, tmp_path,
+                                                                                                 caplog):
+    # --preload with agents: the driver starts the host's fork server through its agent (as
+    # through ssh), its workers are forks of it; at a graceful leave the agent ends the
+    # server once the workers have ended (SIGTERM: it removes its directory), and exits.
+    import os
+
+    from lightning_elastic.launcher.node.fork_client import server_directory
+    from lightning_elastic.launcher.processes.warm_start import WarmStarts
+    from lightning_elastic.protocol import ENV_SECRET_FD
+
+    board, launcher, out, agent, code = wired
+    caplog.set_level(logging.INFO)
+    warm = WarmStarts(launcher, ("json",), lambda host: False, ENV_SECRET_FD)
+    script = tmp_path / "worker.py"
+    script.write_text("import os, time\nprint('parent', os.getppid(), flush=True)\ntime.sleep(1.0)\n")
+    proc = warm.start(WorkerSpec("w5", "agent-host", (sys.executable, str(script)), {}, SECRET, cwd=str(tmp_path)),
+                      lambda: "[w5] ")
+    [server] = warm._servers.values()
+    server_pid = wait_for(lambda: server.process.pid, 20, "the fork server to start")
+    assert "Workers on agent-host fork from a server that preloads json (started by its agent)." in caplog.text
+    assert wait_for(lambda: proc.poll() is not None, 30, "the worker's exit")
+    proc.finish_output(5)
+    assert proc.poll() == 0, out.getvalue()
+    assert f"[w5] parent {server_pid}\n" in out.getvalue(), out.getvalue()  # forked by the server
+    assert os.path.isdir(server_directory(server.token))
+    agent.request_leave()
+    wait_for(lambda: code, 20, "the agent to exit")
+    assert code == [0]
+    assert not _alive(server_pid) and not os.path.exists(server_directory(server.token))
+    assert "Workers still running" not in caplog.text  # not stopped at the leave timeout: ended at once
+
+
+def test_an_agent_that_loses_its_driver_kills_its_workers_and_ends_its_fork_server_cleanly(tmp_path):
+    # The host is lost to the job: its workers are SIGKILLed, its fork server (no state to
+    # lose) gets SIGTERM and removes its directory, leaving nothing on the machine.
+    import os
+
+    from lightning_elastic.launcher.node.fork_client import server_directory
+    from lightning_elastic.launcher.processes.warm_start import WarmStarts
+    from lightning_elastic.protocol import ENV_SECRET_FD
+
+    board = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
+    server = RendezvousServer(Registry(), SECRET, agents=board)
+    server.start()
+    agent = Agent(AgentSettings("127.0.0.1", server.port, 1, "agent-host", SECRET, leave_timeout=5.0))
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: board.serves("agent-host"), 10, "the agent to join")
+        warm = WarmStarts(AgentLauncher(board, None, OutputSink(io.StringIO())), ("json",), lambda host: False,
+                          ENV_SECRET_FD)
+        script = tmp_path / "worker.py"
+        script.write_text("import time\ntime.sleep(60)\n")
+        proc = warm.start(WorkerSpec("w1", "agent-host", (sys.executable, str(script)), {}, SECRET,
+                                     cwd=str(tmp_path)), lambda: "")
+        [fork_server] = warm._servers.values()
+        server_pid = wait_for(lambda: fork_server.process.pid, 20, "the fork server to start")
+        client = wait_for(lambda: proc.pid, 20, "the worker to start")
+        directory = server_directory(fork_server.token)
+        wait_for(lambda: os.path.isdir(directory), 20, "the fork server to listen")
+        server.close()  # the driver is gone
+        wait_for(lambda: not _alive(client) and not _alive(server_pid), 20, "the agent to end its workers")
+        assert not os.path.exists(directory)  # ended by SIGTERM, not SIGKILL
+    finally:
+        agent.request_leave()
+        thread.join(10)
+        server.close()
+    assert code == [0]

@@ -11,6 +11,7 @@ from lightning_elastic import protocol as p
 from lightning_elastic.launcher.job.slots import HostSlots
 from lightning_elastic.launcher.service.agent_board import AgentBoard
 from lightning_elastic.launcher.service.long_poll import LongPoll
+from tests.troubleshooting_rows import assert_documented
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,6 +29,15 @@ class Clock:
 def make_board(max_slots: int = 8) -> tuple[AgentBoard, Clock]:
     clock = Clock()
     return AgentBoard(max_slots, heartbeat_timeout=TIMEOUT, poll_seconds=1.0, clock=clock), clock
+
+
+def elapse(board: AgentBoard, clock: Clock, seconds: float) -> None:
+    """Time passing while the driver runs: its loop judges the agents every tick (a jump of
+    the clock with no judgment in between is a pause of the driver, forgiven)."""
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now = min(end, clock.now + 0.05)
+        board.expire()
 
 
 def agent_id(n: int) -> str:
@@ -125,9 +135,9 @@ def test_an_agent_silent_past_the_heartbeat_timeout_is_lost_with_its_workers_and
     board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
     board.join(p.AgentJoin(agent_id(2), "pod-b", 1))
     fate, _ = board.start("pod-a", "w1", ("x",), {}, "/")
-    clock.now += TIMEOUT / 2
+    elapse(board, clock, TIMEOUT / 2)
     answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b is heard from, pod-a is not
-    clock.now += TIMEOUT / 2 + 0.1
+    elapse(board, clock, TIMEOUT / 2 + 0.1)
     board.check("w1")
     assert fate.status == -signal.SIGKILL and fate.host_gone and "its agent on pod-a was lost" in fate.detail
     version = board.version
@@ -182,10 +192,124 @@ def test_an_agent_whose_waiting_poll_closed_is_lost_unless_it_polls_again_within
         poll = board.poll(p.AgentPoll(agent_id(n), 1.0, 1 if n == 1 else 0))
         assert poll.answer_now() is None
         poll._finish()  # (what the service runs when the connection closes under a waiting poll)
-    clock.now += CLOSED_GRACE / 2
+    elapse(board, clock, CLOSED_GRACE / 2)
     answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b comes back: a broken connection
-    clock.now += CLOSED_GRACE / 2 + 0.1
+    elapse(board, clock, CLOSED_GRACE / 2 + 0.1)
     board.expire()
     assert board.hosts() == [HostSlots("pod-b", 1)]
     assert fate.status == -signal.SIGKILL and fate.host_gone and "its connection closed" in fate.detail
     assert clock.now - 100.0 < TIMEOUT  # sooner than the heartbeat timeout
+
+
+def test_output_past_the_held_bound_is_dropped_and_said_where_the_gap_is_and_once_in_the_log(monkeypatch, caplog):
+    from lightning_elastic.launcher.service import agent_board
+
+    monkeypatch.setattr(agent_board, "OUTPUT_HELD", 16)
+    queue = agent_board.OutputQueue("pod-a[0]")
+    queue.put(b"0123456789ab")  # 12 held, mid-line
+    queue.put(b"cdefgh\n")  # 19 > 16: dropped
+    queue.put(b"ijklmnop\n")  # dropped too: one gap
+    assert queue.read1() == b"0123456789ab"  # drained: room again
+    queue.put(b"after\n")
+    assert queue.read1() == b"\n[16 bytes of output dropped: more than 0 MiB waiting for the driver's output]\nafter\n"
+    for _ in range(3):
+        queue.put(b"x" * 17)  # a gap at the end: said before EOF
+    queue.close()
+    assert queue.read1().startswith(b"[51 bytes of output dropped") and queue.read1() == b""
+    assert queue.dropped == 16 + 51
+    said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(said) == 1 and "Output of worker pod-a[0] dropped" in said[0]
+
+
+def test_an_agent_for_a_host_the_host_source_lists_is_refused_in_one_line():
+    board, _ = make_board()
+    board.list_hosts(frozenset({"node-1"}))
+    refused = board.join(p.AgentJoin(agent_id(1), "node-1", 1))
+    assert not refused.accepted and "host node-1 is in the job's host list (-H or the discovery script)" in refused.reason
+    assert "another --host-name" in refused.reason and board.hosts() == [] and not board.serves("node-1")
+    assert_documented(f"the driver at 10.0.0.1:29400 refused this agent: {refused.reason}")
+    assert board.join(p.AgentJoin(agent_id(2), "pod-a", 1)).accepted
+
+
+def test_a_new_agent_for_a_host_whose_agent_is_not_heard_from_replaces_it(caplog):
+    # A pod or container restarted under the same name (a StatefulSet's pod-0): the old
+    # agent's poll connection closed with its process, and the new one joins before the
+    # old is noticed lost.
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-0", 1))
+    fate, _ = board.start("pod-0", "w1", ("x",), {}, "/")
+    poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 0))
+    poll.answer_now()
+    poll._finish()  # answered: still heard from
+    poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 1))
+    assert poll.answer_now() is None
+    poll._finish()  # its waiting poll's connection closed (its process killed)
+    clock.now += 0.1  # well within CLOSED_GRACE: not lost yet
+    assert board.join(p.AgentJoin(agent_id(2), "pod-0", 1)).accepted
+    assert fate.status == -signal.SIGKILL and fate.host_gone and "replaced by a new one" in fate.detail
+    assert board.hosts() == [HostSlots("pod-0", 1)]
+    [said] = [r.getMessage() for r in caplog.records if "Agent on pod-0 replaced" in r.getMessage()]
+    assert_documented(said)
+    late = answer(board.poll(p.AgentPoll(agent_id(1), 1.0, 1)))  # the old one, if it ever polls again
+    assert late.dropped and "a new agent joined for this host" in late.reason
+    # ... and the new one, polling, is live: a third with the name is refused.
+    answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))
+    refused = board.join(p.AgentJoin(agent_id(3), "pod-0", 1))
+    assert not refused.accepted and "another agent is connected for host pod-0" in refused.reason
+
+
+def test_a_silent_agent_is_replaced_by_a_newcomer_before_the_heartbeat_timeout():
+    from lightning_elastic.launcher.service.agent_board import CLOSED_GRACE
+
+    board, clock = make_board()  # poll period 1 s: a live agent starts a poll at least this often
+    board.join(p.AgentJoin(agent_id(1), "pod-0", 1))
+    elapse(board, clock, 1.0 + CLOSED_GRACE / 2)
+    assert not board.join(p.AgentJoin(agent_id(2), "pod-0", 1)).accepted  # may still be polling
+    elapse(board, clock, CLOSED_GRACE / 2 + 0.1)
+    assert clock.now - 100.0 < TIMEOUT  # not lost yet by the heartbeat timeout
+    assert board.join(p.AgentJoin(agent_id(2), "pod-0", 1)).accepted
+
+
+def test_a_pause_of_the_driver_is_no_agents_silence():
+    # The driver stopped for three heartbeat timeouts (SIGSTOP, a frozen container): no
+    # agent could be heard meanwhile. On its return its loop judges before the service has
+    # read the agents' waiting polls: no agent is lost for that.
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    board.join(p.AgentJoin(agent_id(2), "pod-b", 1))
+    fate, _ = board.start("pod-a", "w1", ("x",), {}, "/")
+    for _ in range(10):  # the loop judging every tick
+        clock.now += 0.05
+        board.check("w1")
+    clock.now += 3 * TIMEOUT  # away
+    board.check("w1")
+    board.expire()
+    assert fate.status is None and board.hosts() == [HostSlots("pod-a", 1), HostSlots("pod-b", 1)]
+    answer(board.poll(p.AgentPoll(agent_id(2), 1.0, 0)))  # pod-b's poll read: heard, not dropped
+    assert board.serves("pod-b")
+    # Back and running, silence counts again: pod-a, never heard after the pause, is lost
+    # a heartbeat timeout later (judged each tick meanwhile).
+    for _ in range(int(TIMEOUT / 0.5)):
+        clock.now += 0.5
+        board.expire()
+        assert fate.status is None
+    clock.now += 0.5
+    board.check("w1")
+    assert fate.status == -signal.SIGKILL and fate.host_gone and board.hosts() == [HostSlots("pod-b", 1)]
+
+
+def test_a_pause_does_not_hide_a_closed_connection_for_long():
+    from lightning_elastic.launcher.service.agent_board import CLOSED_GRACE
+
+    board, clock = make_board()
+    board.join(p.AgentJoin(agent_id(1), "pod-a", 1))
+    poll = board.poll(p.AgentPoll(agent_id(1), 1.0, 0))
+    poll._finish()  # closed just before the pause
+    clock.now += 3 * TIMEOUT
+    board.expire()
+    assert board.serves("pod-a")  # the grace starts again with the driver's return
+    elapse(board, clock, CLOSED_GRACE / 2)
+    board.expire()
+    elapse(board, clock, CLOSED_GRACE / 2 + 0.1)
+    board.expire()
+    assert not board.serves("pod-a")
