@@ -219,10 +219,10 @@ class Registry:
         def answer(final: bool) -> RendezvousReply | None:
             # A round it is a member of comes first, even once it is told to leave: its peers
             # were given that round, with it at its rank (rank 0 when it holds the state they
-            # wait for), and an EXIT now would strand them in its first collective (a rolling
-            # move: the driver lets the holder go in its next pass after forming the round with
-            # the joiner, often before this reply is sent). It leaves at the announcement that
-            # the removal brings, at its next rendezvous.
+            # wait for), and an EXIT would leave them waiting for it to form the round's group.
+            # (A rolling move: the driver lets the holder go in its next pass after forming the
+            # round with the joiner; a loaded service reads this answer after that pass.) It
+            # leaves at the announcement that the removal brings, at its next rendezvous.
             if self._assigned_after(record, request.after_round):
                 return RendezvousReply(RendezvousStatus.ASSIGNED, record.assignment)
             if record.leave:
