@@ -210,17 +210,23 @@ class Registry:
             self._note_ahead(record, round_number=request.after_round)
             now = self._clock()
             record.last_heartbeat = now
-            if not (self._assigned_after(record, request.after_round) and not record.leave):
+            if not self._assigned_after(record, request.after_round):
                 self._arrive(record, request.after_round, now)
             # else: a repeat of the request that got this assignment (the client retries
             # when the reply is lost): answered again below, rather than turning a member
             # into a waiting worker that no round will ever pick up again.
 
         def answer(final: bool) -> RendezvousReply | None:
-            if record.leave:
-                return RendezvousReply(RendezvousStatus.EXIT)
+            # A round it is a member of comes first, even once it is told to leave: its peers
+            # were given that round, with it at its rank (rank 0 when it holds the state they
+            # wait for), and an EXIT would leave them waiting for it to form the round's group.
+            # (A rolling move: the driver lets the holder go in its next pass after forming the
+            # round with the joiner; a loaded service reads this answer after that pass.) It
+            # leaves at the announcement that the removal brings, at its next rendezvous.
             if self._assigned_after(record, request.after_round):
                 return RendezvousReply(RendezvousStatus.ASSIGNED, record.assignment)
+            if record.leave:
+                return RendezvousReply(RendezvousStatus.EXIT)
             if final or record.state.finished:
                 return RendezvousReply(RendezvousStatus.WAIT, standby=record.standby)
             return None

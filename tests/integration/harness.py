@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "elastic_loop.py"
 LAUNCHER = Path(sys.executable).parent / "lightning-elastic"
 CAPTURE_SECRET = Path(__file__).resolve().parent / "capture_secret.py"
+LATE_REPLIES = Path(__file__).resolve().parent / "late_replies.py"
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -65,10 +66,11 @@ class Job:
 
     def start(self, launch_args: Sequence[str], example_args: Sequence[str] = (),
               command: Sequence[str] | None = None, capture_secret: bool = False,
-              env: dict[str, str] | None = None) -> None:
+              env: dict[str, str] | None = None, driver: Sequence[str] | None = None) -> None:
         """Start the driver; ``capture_secret`` lets ``secret()`` read the job secret later;
-        ``env``: the driver's environment (default: this process's)."""
-        cmd = [str(self.launcher), "launch", *launch_args]
+        ``env``: the driver's environment (default: this process's); ``driver``: the command
+        that stands for ``lightning-elastic`` (a test helper that wraps it, say)."""
+        cmd = [*(driver or [str(self.launcher)]), "launch", *launch_args]
         if command is None:
             command = [sys.executable, str(EXAMPLE), "--events", str(self.events_dir), *example_args]
         if capture_secret:

@@ -217,6 +217,30 @@ def test_waiting_worker_is_told_to_exit_once_it_must_leave(reg, pool):
     assert fut.result(timeout=PROMPT).status == RendezvousStatus.EXIT
 
 
+def test_a_member_told_to_leave_before_it_heard_of_its_round_is_given_the_round(reg, pool):
+    # The driver forms a round with the waiting worker, then (its next pass, before the
+    # service has answered the worker's pending request) tells it to leave. Its peers were
+    # given that round with it in it: it must take part, or they wait in vain for it in the
+    # round's first collective. It leaves at its next rendezvous.
+    holder, joiner = add(reg, "holder", "h2"), add(reg, "joiner", "h3")
+    with reg.cond:
+        reg.await_arrivals()
+    pending: Future = pool.submit(reg.rendezvous, RendezvousRequest("holder", 0), 30.0)
+    wait_until(reg, lambda: holder.state == WorkerState.WAITING)
+    with reg.cond:  # one hold of the lock: the service's thread cannot answer in between
+        form(reg, holder, joiner)
+        holder.leave = True
+        reg.wake(holder)
+    reply = pending.result(timeout=PROMPT)
+    assert reply.status == RendezvousStatus.ASSIGNED and reply.assignment == holder.assignment
+    # A repeat of that request (its reply lost) gets the same round, not EXIT.
+    again = reg.rendezvous(RendezvousRequest("holder", 0), timeout=0)
+    assert again.status == RendezvousStatus.ASSIGNED and again.assignment.round == 1
+    assert holder.state == WorkerState.MEMBER
+    assert reg.rendezvous(RendezvousRequest("holder", 1), timeout=30.0).status == RendezvousStatus.EXIT
+    assert reg.state.broken_rounds == set()
+
+
 def test_the_driver_wakes_only_for_the_last_arrival_it_awaits(reg):
     workers = [add(reg, f"w{i}", local_rank=i) for i in range(3)]
     with reg.cond:

@@ -228,11 +228,20 @@ def test_a_rolling_move_keeps_the_member_that_holds_the_state_until_the_joiner_h
     assert [a.slot.host for a in job.state.target] == ["h2", "h3"]
     job.arrive(joiner.worker_id)
     assert job.turn().of(Announced)
-    job.arrive(holder, after_round=1)
+    # The holder's request stays pending across the next two passes: under load the driver
+    # lets the holder go before the service has sent it its new round.
+    pending = job.registry.rendezvous_poll(p.RendezvousRequest(holder, 1), timeout=30)
     fx = job.turn()
     assert job.state.round.members == (holder, joiner.worker_id)
     fx = job.turn()  # the joiner holds the state now: the holder is let go
     assert job.state.workers[holder].leave and [a.slot.host for a in job.state.target] == ["h3"]
+    assert fx.of(Announced)  # at once: both members stop at the same check of round 2
+    # ... but only after round 2 has given the joiner the state: the holder is sent round 2
+    # (with EXIT it left, and the joiner, waiting for rank 0's state, failed the job).
+    reply = pending.answer_now()
+    assert reply is not None and reply.status is p.RendezvousStatus.ASSIGNED and reply.assignment.round == 2
+    gone = job.registry.rendezvous_poll(p.RendezvousRequest(holder, 2), timeout=30).answer_now()
+    assert gone is not None and gone.status is p.RendezvousStatus.EXIT
 
 
 def test_a_rounds_members_are_told_where_the_driver_serves_the_store():
