@@ -45,7 +45,7 @@ class AgentLauncher:
     def adopt(self, record: WorkerRecord, prefix: Callable[[], str]) -> AgentProcess:
         """A worker a previous driver started through an agent (``--state-dir``; its record as
         saved): awaited on the board until its agent joins again and lists it."""
-        fate, output = self._board.expect(record.slot.host, record.worker_id, record.slot.index, record.keeper_pid)
+        fate, output = self._board.expect(record.slot.host, record.worker_id, record.slot.local_rank, record.keeper_pid)
         log_file = Path(record.log_file) if record.log_file else None
         forwarder = LineForwarder(output, prefix, log_file, self._sink, f"agent-output-{record.worker_id}")  # type: ignore[arg-type]
         forwarder.start()
