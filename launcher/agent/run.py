@@ -228,7 +228,8 @@ class Agent:
                     self._leaving.wait(0.05 if failures == 1 else min(RETRY_DELAY, welcome.poll_seconds))
                     continue
                 heard, failures = time.monotonic(), 0
-                if reply.dropped and reply.unknown and welcome.patience > 0 and not self._leaving.is_set():
+                if (reply.dropped and reply.unknown and not reply.ended and welcome.patience > 0
+                        and not self._leaving.is_set()):
                     # A driver that never knew this agent: the previous one's successor
                     # (--state-dir). Its workers kept, for it to adopt at the join.
                     self._kept_until = heard + welcome.patience
