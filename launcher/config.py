@@ -314,6 +314,6 @@ class LaunchConfig:
         if self.driver_address is None and self.network_interface is None:
             raise ConfigError("--agents: needs --driver-address or --network-interface (the address the agents "
                               "and their workers reach the driver at)")
-        for option, given in (("--state-dir", self.state_dir), ("--ray", self.ray), ("--slurm", self.slurm)):
+        for option, given in (("--ray", self.ray), ("--slurm", self.slurm)):
             if given is not None:
                 raise ConfigError(f"--agents: not supported with {option} yet")

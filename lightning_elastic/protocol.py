@@ -312,10 +312,25 @@ class AgentEventKind(str, Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentWorker:
+    """A worker an agent still holds when it joins again (its driver restarted): the new
+    driver adopts it if its saved state has that worker on that host (and that pid)."""
+
+    worker_id: str
+    pid: int
+    running: bool = True
+    status: int = 0  # (not running) its exit status ...
+    signal: int = 0  # ... or the signal that killed it
+
+
+@dataclasses.dataclass(frozen=True)
 class AgentJoin:
     agent_id: str  # drawn once per agent process: a reconnect of the same agent says so
     host: str
     slots: int
+    # The workers this agent kept while it had no driver (--state-dir: a restarted driver
+    # adopts the ones it knows; the agent stops every other one).
+    workers: tuple[AgentWorker, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +339,10 @@ class AgentJoinReply:
     reason: str = ""  # why the agent is refused (one line)
     poll_seconds: float = 0.0  # how long the driver holds a poll: the agent's heartbeat period
     heartbeat_timeout: float = 0.0  # silent this long, an agent is lost (and stops its workers)
+    # --state-dir: how long the agent keeps its workers while it cannot reach the driver (a
+    # restarted driver adopts them); 0: it stops them once the heartbeat timeout has passed.
+    patience: float = 0.0
+    adopted: tuple[str, ...] = ()  # of the join's workers, those the driver took: stop the rest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +371,9 @@ class AgentPollReply:
     dropped: bool = False
     reason: str = ""
     ended: bool = False  # (with dropped) the job is over: the agent exits
+    # (with dropped) this driver never knew the agent: it restarted. The agent joins again
+    # keeping its workers (when its previous driver gave it a patience) for it to adopt.
+    unknown: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,14 @@ joins with its host name and slots, and from then on:
   gracefully: the driver takes its host off the job, its workers leave at their next check
   (no rollback, nothing blacklisted), and it exits once they have ended;
 - when the driver is unreachable for the heartbeat timeout it gave, the driver counts the
-  host lost: the agent SIGKILLs its workers (they cannot be adopted by anyone: a
-  restarted driver starts workers afresh on the agents that join it), then joins again.
+  host lost: the agent SIGKILLs its workers, then joins again;
+- unless the driver keeps the job in ``--state-dir``: its welcome gives a patience (its
+  ``--driver-patience``), and the agent keeps its workers that long without a driver (the
+  driver killed, its pod restarted: the workers themselves wait as long). It joins again
+  (the same address: a Kubernetes Service's name, or the driver's --driver-address and
+  --port) listing them; the restarted driver adopts those its saved state has here and
+  names them, and the agent SIGKILLs every other one. Its events not yet acknowledged,
+  the adopted workers' output and exits meanwhile, go to the new driver numbered afresh.
 
 While the driver is not up yet (an agent pod before the driver's), it retries, saying so
 every ``PROGRESS_EVERY`` seconds. Standard library only, as the ssh supervisor.
@@ -54,9 +60,10 @@ class AgentSettings:
 class _Dropped(Exception):
     """The driver no longer counts this agent (the message says why)."""
 
-    def __init__(self, why: str, ended: bool = False) -> None:
+    def __init__(self, why: str, ended: bool = False, kept: bool = False) -> None:
         super().__init__(why)
         self.ended = ended  # the job is over
+        self.kept = kept  # its workers kept for a restarted driver to adopt
 
 
 class Agent:
@@ -65,6 +72,12 @@ class Agent:
         self._nonces = p.NonceSequence()
         self._leaving = threading.Event()  # SIGTERM arrived
         self._stopped = threading.Event()  # the session is over (the reporter ends)
+        # One set of workers and events for the agent's life: they outlive a session when
+        # kept for a restarted driver.
+        self._events = Events()
+        self._workers = Workers(settings.secret, self._events)
+        # While its workers are kept without a driver: until when (monotonic), else None.
+        self._kept_until: float | None = None
 
     def request_leave(self) -> None:
         self._leaving.set()
@@ -73,17 +86,26 @@ class Agent:
         """Join, serve, and join again after a loss, until a graceful leave or the job's end."""
         while True:
             welcome = self._join()
-            if welcome is None:
-                return 0  # SIGTERM before it ever joined: nothing to leave
+            if welcome is None:  # SIGTERM while it had no driver: nothing to leave
+                if self._workers.live():
+                    log.info("SIGTERM with no driver: stopping the %d worker(s) kept for it.", self._workers.live())
+                self._stop(self._workers)
+                return 0
             try:
                 return self._serve(welcome)
             except _Dropped as dropped:
                 if self._leaving.is_set():
+                    self._stop(self._workers)  # (kept ones: no driver to leave the job through)
                     return 0
                 if dropped.ended:
                     log.info("The job ended: exiting.")
                     return 0
-                log.warning("The driver dropped this agent (%s): joining again.", dropped)
+                if dropped.kept:
+                    log.warning("Lost the driver (%s): keeping %d worker(s) for up to %.0f s (its --driver-patience) "
+                                "for it to adopt once restarted; joining again.", dropped, self._workers.live(),
+                                max(0.0, (self._kept_until or 0.0) - time.monotonic()))
+                else:
+                    log.warning("The driver dropped this agent (%s): joining again.", dropped)
 
     # ----- joining ---------------------------------------------------------------------
 
@@ -91,11 +113,14 @@ class Agent:
         s = self._s
         channel = DriverChannel(s.driver_host, s.driver_port, s.secret, self._nonces)
         self._agent_id = secrets.token_hex(16)  # each session its own: orders and events numbered afresh
-        request = p.AgentJoin(self._agent_id, s.host_name, s.slots)
         started = time.monotonic()
         said_at: float | None = None
         try:
             while not self._leaving.is_set():
+                self._give_up_kept_past_patience()
+                # The workers it kept (listed afresh each attempt: one may have ended meanwhile).
+                kept = self._workers.held() if self._kept_until is not None else ()
+                request = p.AgentJoin(self._agent_id, s.host_name, s.slots, kept)
                 try:
                     reply = channel.post(p.PATH_AGENT_JOIN, request, p.AgentJoinReply)
                 except Unreachable as err:
@@ -112,6 +137,7 @@ class Agent:
                 if not reply.accepted:
                     raise SystemExit(self._refused(f"the driver at {channel.address} refused this agent: "
                                                    f"{reply.reason}"))
+                self._take_adoption(kept, reply)
                 log.info("Joined the job at %s as host %s with %d slot(s).", channel.address, s.host_name, s.slots)
                 return reply
             return None
@@ -119,6 +145,25 @@ class Agent:
             raise SystemExit(self._refused(f"cannot trust {channel.address}: {err}")) from None
         finally:
             channel.close()
+
+    def _give_up_kept_past_patience(self) -> None:
+        if self._kept_until is not None and time.monotonic() > self._kept_until:
+            log.warning("No driver within its --driver-patience: stopping the %d worker(s) kept for it.",
+                        self._workers.live())
+            self._kill(self._workers)
+            self._kept_until = None
+
+    def _take_adoption(self, kept: tuple[p.AgentWorker, ...], reply: p.AgentJoinReply) -> None:
+        """The driver took ``reply.adopted`` of the workers it kept: SIGKILL every other one
+        (never saved by the driver that started it, or given up on), and number the events
+        not yet acknowledged of the adopted ones afresh for this driver."""
+        adopted = frozenset(reply.adopted) & {w.worker_id for w in kept}
+        killed = self._workers.kill_except(adopted)
+        if kept:
+            log.info("The restarted driver adopted %d of the %d worker(s) kept for it%s.", len(adopted), len(kept),
+                     f"; stopped {killed} it does not know" if killed else "")
+        self._kept_until = None
+        self._events.restart(adopted)
 
     def _refused(self, line: str) -> int:
         print(f"lightning-elastic agent: error: {line}", file=sys.stderr, flush=True)
@@ -128,8 +173,7 @@ class Agent:
 
     def _serve(self, welcome: p.AgentJoinReply) -> int:
         s = self._s
-        events = Events()
-        workers = Workers(s.secret, events)
+        events, workers = self._events, self._workers
         self._stopped.clear()
         # A request may take its wait and a quarter of the heartbeat timeout more: a cut-off
         # driver shows within the timeout (plus that quarter), not at TCP's own timeouts.
@@ -170,6 +214,9 @@ class Agent:
                                          p.AgentPollReply, wait=wait)
                 except (Unreachable, Refused) as err:
                     silent = time.monotonic() - heard
+                    if silent > welcome.heartbeat_timeout and welcome.patience > 0 and not self._leaving.is_set():
+                        self._kept_until = heard + welcome.patience  # --state-dir: a restarted driver adopts them
+                        raise _Dropped(f"unreachable for {silent:.1f} s: {err}", kept=True) from None
                     if silent > welcome.heartbeat_timeout:
                         log.warning("The driver at %s is unreachable for %.1f s (%s): it counts this host lost; "
                                     "stopping %d worker(s).", channel.address, silent, err, workers.live())
@@ -181,6 +228,12 @@ class Agent:
                     self._leaving.wait(0.05 if failures == 1 else min(RETRY_DELAY, welcome.poll_seconds))
                     continue
                 heard, failures = time.monotonic(), 0
+                if (reply.dropped and reply.unknown and not reply.ended and welcome.patience > 0
+                        and not self._leaving.is_set()):
+                    # A driver that never knew this agent: the previous one's successor
+                    # (--state-dir). Its workers kept, for it to adopt at the join.
+                    self._kept_until = heard + welcome.patience
+                    raise _Dropped("the driver restarted", kept=True)
                 if reply.dropped:
                     if reply.ended:  # the driver stopped the workers: what is left (a fork
                         self._stop(workers)  # server) ends with SIGTERM, cleaning up after itself
@@ -234,6 +287,7 @@ class Agent:
         """Send the events in order until acknowledged, on a connection of its own."""
         s = self._s
         channel = DriverChannel(s.driver_host, s.driver_port, s.secret, self._nonces, self._slack)
+        generation = events.generation  # this session's numbering
         try:
             while not self._stopped.is_set():
                 batch = events.batch(timeout=1.0)
@@ -246,7 +300,7 @@ class Agent:
                     continue
                 if reply.dropped:
                     return
-                events.acknowledged(reply.through)
+                events.acknowledged(reply.through, generation)
         finally:
             channel.close()
 

@@ -11,6 +11,7 @@ acknowledged them.
 from __future__ import annotations
 
 import codecs
+import collections
 import dataclasses
 import json
 import os
@@ -40,6 +41,9 @@ class Events:
         self._cond = threading.Condition()
         self._pending: list[p.AgentEvent] = []
         self._next = 1
+        # Bumped by ``restart`` (a join to a new driver numbers the events afresh): an
+        # acknowledgement of the previous numbering, late, must not take the new one's events.
+        self.generation = 0
         self._output_held: dict[str, int] = {}  # worker id -> output characters pending
         self._gaps: dict[str, int] = {}  # worker id -> output bytes dropped, not said yet
         self._mid_line: set[str] = set()  # workers whose last output kept ended mid-line
@@ -90,8 +94,26 @@ class Events:
                 batch.append(event)
             return tuple(batch)
 
-    def acknowledged(self, through: int) -> None:
+    def restart(self, keep: frozenset[str] | set[str]) -> None:
+        """A new driver (a join after its restart): the events not yet acknowledged of the
+        workers it adopted (``keep``: their output and exits meanwhile) numbered from 1 for
+        it, every other one dropped (their workers are stopped, or were never its)."""
         with self._cond:
+            kept = [e for e in self._pending if e.worker_id in keep]
+            for event in self._pending:
+                if event.worker_id not in keep:
+                    self._output_held.pop(event.worker_id, None)
+                    self._gaps.pop(event.worker_id, None)
+                    self._mid_line.discard(event.worker_id)
+            self._pending = [dataclasses.replace(e, number=n) for n, e in enumerate(kept, 1)]
+            self._next = len(self._pending) + 1
+            self.generation += 1
+            self._cond.notify_all()
+
+    def acknowledged(self, through: int, generation: int | None = None) -> None:
+        with self._cond:
+            if generation is not None and generation != self.generation:
+                return  # the previous driver's numbering (its reporter's late reply)
             for event in self._pending:
                 if event.number > through:
                     break
@@ -112,6 +134,11 @@ class Events:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+
+# Workers that ended, remembered (bounded) with their status so that an agent joining a
+# restarted driver can say how the ones that ended while it had no driver ended.
+ENDED_KEPT = 256
 
 
 @dataclasses.dataclass
@@ -136,6 +163,26 @@ class Workers:
         self._lock = threading.Lock()
         self._running: dict[str, _Running] = {}
         self._ended = threading.Condition(self._lock)
+        self._exits: collections.OrderedDict[str, p.AgentWorker] = collections.OrderedDict()  # ENDED_KEPT
+
+    def held(self) -> tuple[p.AgentWorker, ...]:
+        """The job's workers here, running and recently ended (with their status): what a
+        join to a restarted driver lists for it to adopt. Fork servers are none of them."""
+        with self._lock:
+            running = [p.AgentWorker(worker_id, r.proc.pid) for worker_id, r in self._running.items()
+                       if not r.server]
+            return (*running, *(w for w in self._exits.values() if w.worker_id not in self._running))
+
+    def kill_except(self, keep: frozenset[str] | set[str]) -> int:
+        """SIGKILL every worker not in ``keep`` (a fork server: SIGTERM, as ``kill_all``):
+        the driver did not adopt them. How many were signalled."""
+        killed = 0
+        with self._lock:
+            for worker_id, running in self._running.items():
+                if worker_id not in keep and not running.server:
+                    signal_group(running.proc.pid, signal.SIGKILL)
+                    killed += 1
+        return killed
 
     def live(self) -> int:
         """The job's workers running here (a fork server is none: ``end_servers``)."""
@@ -228,5 +275,10 @@ class Workers:
         output.join(OUTPUT_AFTER_EXIT)  # its last lines before its exit
         self._events.add(p.AgentEventKind.EXITED, worker_id, status=max(status, 0), signal=max(-status, 0))
         with self._ended:
-            self._running.pop(worker_id, None)
+            running = self._running.pop(worker_id, None)
+            if running is not None and not running.server:
+                self._exits[worker_id] = p.AgentWorker(worker_id, proc.pid, running=False, status=max(status, 0),
+                                                       signal=max(-status, 0))
+                while len(self._exits) > ENDED_KEPT:
+                    self._exits.popitem(last=False)
             self._ended.notify_all()

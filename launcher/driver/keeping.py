@@ -45,6 +45,8 @@ class Keeping:
             if record.keeper_pid or record.state.finished:
                 continue
             proc = processes.get(record.worker_id)
+            if getattr(proc, "via_agent", False):  # saved before its agent said its pid, too
+                record.via_agent = True
             found = getattr(proc, "adoptable", None)
             if found:
                 record.keeper_pid, record.start_ticks = found

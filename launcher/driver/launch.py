@@ -64,7 +64,8 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> JobResult:
 
 def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | None) -> JobResult:
     sink = OutputSink(out)  # one for every worker's output: a broken stdout is said once
-    keeping = adoption.StateKeeping(state_dir) if state_dir else None
+    agents_secret = config.agents.secret if config.agents is not None else None
+    keeping = adoption.StateKeeping(state_dir, secret=agents_secret) if state_dir else None
     # An adopted job goes on writing its --log-dir: its timeline continues.
     if config.log_dir is not None and not (keeping and keeping.previous):
         moved = prepare_log_dir(config.log_dir)
@@ -106,15 +107,28 @@ def _launch(config: LaunchConfig, out: IO[str] | None, state_dir: StateDir | Non
         board = None
         if config.agents is not None:  # hosts an agent serves get their workers through it
             t = config.timeouts
-            board = AgentBoard(config.max_np, t.heartbeat_timeout, t.heartbeat_period)
-            router = AgentLauncher(board, router, sink)
+            # With --state-dir an agent keeps its workers for --driver-patience while it has
+            # no driver, for a restarted one to adopt (service/agent_board.py).
+            board = AgentBoard(config.max_np, t.heartbeat_timeout, t.heartbeat_period,
+                               patience=config.driver_patience if keeping is not None else 0.0)
+            agent_launcher = AgentLauncher(board, router, sink)
+            router = agent_launcher
+            if keeping is not None:
+                others = keeping.adopt
+
+                def adopt_via_agents(record: WorkerRecord, prefix: Callable[[], str]) -> WorkerProcess:
+                    if record.via_agent:
+                        return agent_launcher.adopt(record, prefix)
+                    return others(record, prefix)  # type: ignore[misc]
+
+                keeping.adopt = adopt_via_agents
         # --preload over every route: an agent's host gets its fork server through its agent,
         # as an ssh host through ssh.
         warm = WarmStarts(router, config.preload, classifier.is_local, p.ENV_SECRET_FD) if config.preload else None
         try:
             result = run_driver(Driver(config, make_discovery(config), warm or router, classifier.is_local,
                                        resolves=classifier.resolves, keeping=keeping, agents=board,
-                                       secret=config.agents.secret if config.agents is not None else None))
+                                       secret=agents_secret))
         finally:
             if warm is not None:
                 warm.close()  # the fork servers, after the driver stopped their workers

@@ -90,6 +90,9 @@ class WorkerRecord:
     keeper_pid: int = 0
     start_ticks: int = 0
     log_file: str = ""
+    # Started through an agent (launch --agents): a restarted driver awaits it from its
+    # agent, keeper_pid then its pid on the agent's host (service/agent_board.py).
+    via_agent: bool = False
     # Started by a previous driver and adopted by this one (``--state-dir``): such a worker
     # may have exited while no driver ran, giving up on it (``protocol.EXIT_DRIVER_GONE``).
     adopted: bool = transient(default=False)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
+from lightning_elastic.launcher.job.state import WorkerRecord
 from lightning_elastic.launcher.processes.base import WorkerLauncher, WorkerProcess, WorkerSpec
 from lightning_elastic.launcher.processes.output import LineForwarder, OutputSink, as_sink
 from lightning_elastic.launcher.processes.ssh import FORWARDED_BY_DEFAULT
@@ -38,16 +40,28 @@ class AgentLauncher:
         fate, output = self._board.start(spec.host, spec.worker_id, spec.command, env, spec.cwd)
         forwarder = LineForwarder(output, prefix, spec.log_file, self._sink, f"agent-output-{spec.worker_id}")  # type: ignore[arg-type]
         forwarder.start()
-        return AgentProcess(self._board, spec.worker_id, fate, forwarder)
+        return AgentProcess(self._board, spec.worker_id, fate, forwarder, spec.log_file)
+
+    def adopt(self, record: WorkerRecord, prefix: Callable[[], str]) -> AgentProcess:
+        """A worker a previous driver started through an agent (``--state-dir``; its record as
+        saved): awaited on the board until its agent joins again and lists it."""
+        fate, output = self._board.expect(record.slot.host, record.worker_id, record.slot.local_rank, record.keeper_pid)
+        log_file = Path(record.log_file) if record.log_file else None
+        forwarder = LineForwarder(output, prefix, log_file, self._sink, f"agent-output-{record.worker_id}")  # type: ignore[arg-type]
+        forwarder.start()
+        return AgentProcess(self._board, record.worker_id, fate, forwarder, log_file)
 
 
 class AgentProcess:
     """A worker an agent runs, as the driver sees it (``WorkerProcess``)."""
 
     child_pid = None  # no child of the driver: its exit is seen by ``poll``, each turn
+    via_agent = True  # saved with its record: a restarted driver awaits it from its agent
 
-    def __init__(self, board: AgentBoard, worker_id: str, fate: WorkerFate, forwarder: LineForwarder) -> None:
+    def __init__(self, board: AgentBoard, worker_id: str, fate: WorkerFate, forwarder: LineForwarder,
+                 log_file: Path | None = None) -> None:
         self._board = board
+        self.log_file = log_file  # its --log-dir file: saved, so a restarted driver goes on writing it
         self._worker_id = worker_id
         self._fate = fate
         self._forwarder = forwarder
@@ -55,6 +69,11 @@ class AgentProcess:
     @property
     def pid(self) -> int:
         return self._fate.pid  # on its host, once the agent said; 0 before
+
+    @property
+    def adoptable(self) -> tuple[int, int] | None:
+        """(pid, 0) a restarted driver checks the agent's list against, once the agent said."""
+        return (self._fate.pid, 0) if self._fate.pid else None
 
     @property
     def host_gone(self) -> bool:

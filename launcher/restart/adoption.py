@@ -163,12 +163,14 @@ class StateKeeping:
     """One driver's ``--state-dir``: the locked directory, the job it adopts (if any), and
     the writer that keeps the state there while the job runs."""
 
-    def __init__(self, state_dir: StateDir, adopt: Adopt | None = None) -> None:
+    def __init__(self, state_dir: StateDir, adopt: Adopt | None = None, secret: str | None = None) -> None:
         self.dir = state_dir
-        # Finds a worker of the previous driver again: its launcher's ``adopt`` (local or ssh).
+        # Finds a worker of the previous driver again: its launcher's ``adopt`` (local, ssh, agent).
         self.adopt = adopt
         self.previous = state_dir.load()  # the job to adopt (clock times from its save); None: a new job
-        self.secret = state_dir.secret()
+        # The job's secret: given (--agents: the --secret-file the agents hold too, the same
+        # for every driver of the job), else the one saved in the state dir.
+        self.secret = secret if secret is not None else state_dir.secret()
         last = state_dir.last_alive()
         # How long no driver ran: since the previous one last touched ``alive``.
         self.outage = max(0.0, time.time() - last) if self.previous is not None and last is not None else 0.0

@@ -25,6 +25,18 @@ meanwhile, and on its return it must not find every agent silent past the timeou
 its service has read their waiting polls. Every judging call notes the time; a gap between
 two longer than the poll period (the driver's loop judges every tick) starts every agent's
 silence again.
+
+A driver restarted with ``--state-dir`` knows from the saved state which workers ran on
+agents' hosts (``expect``): until their agents join again they are *awaited*, their hosts
+still offered with the slots they used. An agent that lost its driver keeps its workers for
+the patience the driver gave it (``AgentJoinReply.patience``), joins the new driver and lists
+them (``AgentJoin.workers``); the board adopts each one its saved state has on that host
+(with that pid, once known) and names them in the reply: the agent stops every other one
+(a worker the old driver started and never saved, or one this driver gave up on). What an
+agent does not list, or an agent that does not come back within the heartbeat timeout,
+counts as lost with its host. Only an agent that proves the secret can claim a worker, and
+only a worker of its own host; a join recorded before the restart is refused by its
+timestamp (``RendezvousServer``'s ``not_before``), a replay since by its nonce.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ log = logging.getLogger("lightning_elastic.driver")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")
 _AGENT_ID = re.compile(r"[0-9a-f]{32}")
 MAX_AGENT_SLOTS = 4096
+MAX_WORKER_ID = 200  # a worker id the driver gave is far shorter; anything longer is not ours
 # Agents dropped (lost, refused after they joined) remembered so that their late requests
 # are answered "dropped" and not taken for strangers; bounded.
 DROPPED_KEPT = 4096
@@ -153,6 +166,20 @@ class _Worker:
 
 
 @dataclasses.dataclass
+class _Awaited:
+    """A worker of the previous driver, on an agent's host, until that agent joins again."""
+
+    host: str
+    worker: _Worker
+    signals: list[int] = dataclasses.field(default_factory=list)  # asked meanwhile (bounded)
+
+
+# Signals the driver asks for an awaited worker, kept to be ordered once its agent is back
+# (a stop is SIGTERM, SIGCONT, then SIGKILL: a few at most).
+AWAITED_SIGNALS = 8
+
+
+@dataclasses.dataclass
 class Agent:
     agent_id: str
     host: str
@@ -165,15 +192,17 @@ class Agent:
     events_taken: int = 0
     wake: Signal = dataclasses.field(default_factory=Signal)
     workers: dict[str, _Worker] = dataclasses.field(default_factory=dict)
+    adopted: tuple[str, ...] = ()  # of the workers it listed at its join, those taken (its reply)
 
 
 class AgentBoard:
     """See the module docstring. Thread-safe: one lock, held only for in-memory work."""
 
     def __init__(self, max_slots: int, heartbeat_timeout: float, poll_seconds: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, patience: float = 0.0) -> None:
         self._max_slots = max_slots  # --max-np: an agent offering more is refused
         self._heartbeat_timeout = heartbeat_timeout
+        self._patience = patience  # --driver-patience with --state-dir, else 0 (module docstring)
         self._poll_seconds = poll_seconds
         self._clock = clock
         self._absences = Absences.starting(clock(), poll_seconds)  # this process's own pauses
@@ -184,6 +213,12 @@ class AgentBoard:
         self._dropped: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._refused_said: set[str] = set()
         self._listed: frozenset[str] = frozenset()  # hosts of the job's host source (``list_hosts``)
+        # A restarted driver's workers on agents' hosts, until their agents join again
+        # (``expect``); bounded by the saved state, emptied by the joins or the deadline.
+        self._awaited: dict[str, dict[str, _Awaited]] = {}  # host -> worker id -> awaited
+        self._awaited_host_of: dict[str, str] = {}  # worker id -> its host
+        self._awaited_slots: dict[str, int] = {}  # host -> the slots its awaited workers used
+        self._awaited_since = 0.0
         self._closing = False
         # At the job's end: agents not yet answered that it ended (the driver waits, bounded,
         # for their polls before its service closes: else they would wait for a driver).
@@ -205,7 +240,7 @@ class AgentBoard:
             known = self._agents.get(request.agent_id)
             if known is not None:  # the same agent again (a lost reply): still welcome
                 known.last_heard = now
-                return self._welcome()
+                return self._welcome(known.adopted)
             holder = self._by_host.get(request.host)
             if holder is not None and self._unheard(holder, now):
                 # The same name again while the old agent is not heard from: a pod or container
@@ -232,11 +267,16 @@ class AgentBoard:
                 self._agents[agent.agent_id] = agent
                 self._by_host[agent.host] = agent
                 self._dropped.pop(agent.agent_id, None)
+                agent.adopted = self._adopt(agent, request.workers)
                 self.version += 1
         if why:
             return self._refuse(request, why)
-        log.info("Agent on %s joined with %d slot(s).", request.host, request.slots)
-        return self._welcome()
+        if request.workers or agent.adopted:
+            log.info("Agent on %s joined again with %d slot(s): %d of its %d worker(s) adopted.", request.host,
+                     request.slots, len(agent.adopted), len(request.workers))
+        else:
+            log.info("Agent on %s joined with %d slot(s).", request.host, request.slots)
+        return self._welcome(agent.adopted)
 
     def _unheard(self, agent: Agent, now: float) -> bool:
         """Is ``agent`` not polling as a live one does? Its waiting poll's connection closed
@@ -255,6 +295,11 @@ class AgentBoard:
         if request.slots > self._max_slots:
             return (f"--slots {request.slots} is more than the job's --max-np {self._max_slots}: give the agent at "
                     f"most {self._max_slots} slot(s)")
+        if len(request.workers) > MAX_AGENT_SLOTS:
+            return f"it lists {len(request.workers)} workers, more than an agent can run ({MAX_AGENT_SLOTS})"
+        for worker in request.workers:
+            if not (0 < len(worker.worker_id) <= MAX_WORKER_ID and worker.pid >= 0):
+                return "it lists a malformed worker (an id of 1..200 characters and a pid)"
         return ""
 
     def _refuse(self, request: p.AgentJoin, why: str) -> p.AgentJoinReply:
@@ -264,8 +309,9 @@ class AgentBoard:
             log.warning("Refused an agent for host %s: %s.", p.clip(request.host, 80), why)
         return p.AgentJoinReply(False, why)
 
-    def _welcome(self) -> p.AgentJoinReply:
-        return p.AgentJoinReply(True, poll_seconds=self._poll_seconds, heartbeat_timeout=self._heartbeat_timeout)
+    def _welcome(self, adopted: tuple[str, ...] = ()) -> p.AgentJoinReply:
+        return p.AgentJoinReply(True, poll_seconds=self._poll_seconds, heartbeat_timeout=self._heartbeat_timeout,
+                                patience=self._patience, adopted=adopted)
 
     def poll(self, request: p.AgentPoll) -> LongPoll[p.AgentPollReply] | p.AgentPollReply:
         """The agent's orders past ``orders_through``, as soon as there are any, or none after
@@ -340,7 +386,12 @@ class AgentBoard:
     def hosts(self) -> list[HostSlots]:
         """The hosts agents offer now, in the order they joined (older first: lower ranks)."""
         with self.lock:
-            return [HostSlots(a.host, a.slots) for a in self._agents.values() if not a.leaving]
+            offered = [HostSlots(a.host, a.slots) for a in self._agents.values() if not a.leaving]
+            # A restarted driver's agents' hosts, until their agents are back: their adopted
+            # workers keep their slots (not taken off the job for a host that seems gone).
+            offered += [HostSlots(host, slots) for host, slots in self._awaited_slots.items()
+                        if host not in self._by_host]
+            return offered
 
     def list_hosts(self, hosts: frozenset[str]) -> None:
         """The hosts the job's host source (-H, discovery) lists now: an agent that offers one
@@ -351,7 +402,21 @@ class AgentBoard:
 
     def serves(self, host: str) -> bool:
         with self.lock:
-            return host in self._by_host
+            return host in self._by_host or host in self._awaited_slots
+
+    def expect(self, host: str, worker_id: str, slot_index: int, pid: int) -> tuple[WorkerFate, OutputQueue]:
+        """A worker a previous driver started on ``host`` through its agent (``--state-dir``),
+        ``pid`` as saved (0: not known yet): awaited until that agent joins again and lists
+        it, lost with its host if it does not within the heartbeat timeout (module docstring)."""
+        output = OutputQueue(worker_id)
+        worker = _Worker(worker_id, output, WorkerFate(pid=pid))
+        with self.lock:
+            self._awaited.setdefault(host, {})[worker_id] = _Awaited(host, worker)
+            self._awaited_host_of[worker_id] = host
+            self._awaited_slots[host] = max(self._awaited_slots.get(host, 0), slot_index + 1)
+            self._awaited_since = self._now()
+            self.version += 1
+        return worker.fate, output
 
     def start(self, host: str, worker_id: str, command: Sequence[str], env: Mapping[str, str],
               cwd: str) -> tuple[WorkerFate, OutputQueue]:
@@ -375,7 +440,12 @@ class AgentBoard:
     def signal(self, worker_id: str, sig: int) -> None:
         with self.lock:
             found = self._by_worker.get(worker_id)
-            if found is None or found[1].fate.status is not None:
+            if found is None:
+                awaited = self._awaited_entry(worker_id)
+                if awaited is not None and len(awaited.signals) < AWAITED_SIGNALS:
+                    awaited.signals.append(int(sig))  # ordered once its agent is back
+                return
+            if found[1].fate.status is not None:
                 return
             self._order(found[0], p.AgentOrder(0, p.AgentOrderKind.SIGNAL, worker_id, signal=int(sig)))
 
@@ -386,12 +456,15 @@ class AgentBoard:
             found = self._by_worker.get(worker_id)
             if found is not None and found[1].fate.status is None:
                 self._expire_one(found[0], self._now())
+            elif found is None and worker_id in self._awaited_host_of:
+                self._expire_awaited(self._now())
 
     def close(self, timeout: float = 0.0) -> None:
         """The job is over: every agent's poll says so; wait up to ``timeout`` seconds until
         each one has been answered (a poll comes every poll period)."""
         with self.lock:
             self._closing = True
+            self._end_awaited_all("the job ended before its agent came back")
             for agent in list(self._agents.values()):
                 self._untold.add(agent.agent_id)
                 self._drop(agent, f"its agent on {agent.host} was dropped: the job ended", "the job ended")
@@ -420,7 +493,8 @@ class AgentBoard:
         if agent_id in self._untold:
             self._untold.discard(agent_id)
             self._told.notify_all()
-        return p.AgentPollReply(dropped=True, reason=self._why_dropped(agent_id), ended=self._closing)
+        return p.AgentPollReply(dropped=True, reason=self._why_dropped(agent_id), ended=self._closing,
+                                unknown=agent_id not in self._dropped)
 
     def _why_dropped(self, agent_id: str) -> str:
         return self._dropped.get(agent_id, "the driver does not know this agent (it restarted, or lost it)")
@@ -454,6 +528,72 @@ class AgentBoard:
     def _expire(self, now: float) -> None:
         for agent in list(self._agents.values()):
             self._expire_one(agent, now)
+        self._expire_awaited(now)
+
+    # ----- a restarted driver's workers, awaited (under the lock) -------------------------
+
+    def _awaited_entry(self, worker_id: str) -> _Awaited | None:
+        host = self._awaited_host_of.get(worker_id)
+        return self._awaited[host].get(worker_id) if host is not None else None
+
+    def _adopt(self, agent: Agent, listed: Sequence[p.AgentWorker]) -> tuple[str, ...]:
+        """Of the workers a joining agent lists, those awaited on its host (with that pid,
+        once the saved state knew it); every other awaited worker of its host is lost with
+        it: it ended while no driver ran, or its agent restarted without it."""
+        awaited = self._awaited.pop(agent.host, None)
+        if awaited is None:
+            return ()
+        self._awaited_slots.pop(agent.host, None)
+        taken = []
+        for listed_worker in listed:
+            entry = awaited.get(listed_worker.worker_id)
+            if entry is None:
+                continue  # not this driver's (never saved), or another host's: the agent stops it
+            fate = entry.worker.fate
+            if fate.pid and fate.pid != listed_worker.pid:
+                log.warning("Agent on %s lists worker %s as pid %d, the saved state has pid %d: not adopted.",
+                            agent.host, listed_worker.worker_id, listed_worker.pid, fate.pid)
+                continue
+            del awaited[listed_worker.worker_id]
+            self._awaited_host_of.pop(listed_worker.worker_id, None)
+            fate.pid = listed_worker.pid
+            agent.workers[entry.worker.worker_id] = entry.worker
+            self._by_worker[entry.worker.worker_id] = (agent, entry.worker)
+            taken.append(entry.worker.worker_id)
+            if not listed_worker.running:  # it ended while no driver ran: its status, as the agent saw it
+                status = -listed_worker.signal if listed_worker.signal else listed_worker.status
+                self._end(agent, entry.worker, status, "", False)
+                continue
+            for sig in entry.signals:  # asked while its agent was away
+                self._order(agent, p.AgentOrder(0, p.AgentOrderKind.SIGNAL, entry.worker.worker_id, signal=sig))
+        for worker_id, entry in awaited.items():
+            self._awaited_host_of.pop(worker_id, None)
+            self._lose_awaited(entry, f"its agent on {agent.host} came back without it (it ended while no driver "
+                                      "ran, or its agent restarted)")
+        return tuple(taken)
+
+    def _expire_awaited(self, now: float) -> None:
+        if not self._awaited or self._absences.silent_for(self._awaited_since, now) <= self._heartbeat_timeout:
+            return
+        for host, workers in self._awaited.items():
+            log.warning("Agent on %s did not join this driver within %g s of its adoption (--heartbeat-timeout): "
+                        "its %d worker(s) count as lost with it.", host, self._heartbeat_timeout, len(workers))
+        self._end_awaited_all(f"its agent did not join the restarted driver within {self._heartbeat_timeout:g} s")
+
+    def _end_awaited_all(self, detail: str) -> None:
+        for workers in self._awaited.values():
+            for entry in workers.values():
+                self._lose_awaited(entry, detail)
+        if self._awaited_slots:
+            self.version += 1
+        self._awaited.clear()
+        self._awaited_host_of.clear()
+        self._awaited_slots.clear()
+
+    def _lose_awaited(self, entry: _Awaited, detail: str) -> None:
+        fate = entry.worker.fate
+        fate.status, fate.detail, fate.host_gone = -signal.SIGKILL, detail, True
+        entry.worker.output.close()
 
     def _expire_one(self, agent: Agent, now: float) -> bool:
         closed = agent.closed_at

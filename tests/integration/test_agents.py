@@ -31,6 +31,7 @@ from tests.integration.harness import (
 from tests.integration import test_lightning as lightning
 from tests.integration.namespaces import NamespacedHosts
 from tests.troubleshooting_rows import assert_documented
+from tests.integration.test_driver_restart import kill_driver, max_step, start_again
 from tests.integration.test_multi_machine import (
     first_step_at_size,
     last_step_before_round,
@@ -392,3 +393,49 @@ def test_preload_on_agents_forks_workers_from_each_hosts_server_which_ends_with_
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert_epochs_complete(job, 4)
     assert_replicas_identical(job)
+
+
+def test_the_driver_sigkilled_and_restarted_with_its_state_dir_adopts_the_agents_workers(job: Job, agents: Agents,
+                                                                                         hosts: NamespacedHosts) -> None:
+    """Two agents training; the driver SIGKILLed; the same command again (--state-dir): the
+    agents keep their workers, join the new driver on the same address and list them; it
+    adopts them (the same processes, the round not re-formed) and the job ends once."""
+    h1, h2 = hosts.names[:2]
+    args = driver_args(agents, "-np", "2", "--state-dir", str(job.dir / "state"), "--log-dir", str(job.dir / "logs"))
+    example = [*TRAIN, "--epochs", "6"]
+    for name in (h1, h2):
+        agents.start(name)
+    job.start(args, example)
+    job.wait_rounds(1, timeout=60)
+    job.wait_steps(4)
+    pids = {e["pid"] for e in job.events("start")}
+    assert len(pids) == 2
+
+    kill_driver(job)
+    killed_at = max_step(job)
+    # The workers train on without a driver (collectives are peer to peer), their agents
+    # keep them past the heartbeat timeout: within the driver's patience.
+    wait_for(lambda: max_step(job) >= killed_at + 5, 30, "steps while no driver runs")
+    start_again(job, "restart", args, example)
+    assert job.wait(180) == 0, job.stderr()[-3000:]
+
+    err = job.stderr()
+    assert "Adopting the job in" in err and "driver outages: 1" in err
+    for name in (h1, h2):
+        assert f"Agent on {name} joined again with 1 slot(s): 1 of its 1 worker(s) adopted." in err
+        assert "The restarted driver adopted 1 of the 1 worker(s) kept for it." in agents.output(name)
+        assert agents.wait(name, 30) == 0 and "The job ended: exiting." in agents.output(name)
+    assert job.world_sizes() == [2], "the round was re-formed"
+    assert len({e["pid"] for e in job.events("start")}) == 2  # nothing started again
+    assert {e["pid"] for e in job.events("done")} == pids  # the same worker processes finished
+    for pid in pids:  # no step ran twice in a worker
+        steps = [e["step"] for e in job.events("step") if e["pid"] == pid]
+        assert len(steps) == len(set(steps)) and steps == sorted(steps)
+    assert_epochs_complete(job, 6)
+    assert_replicas_identical(job)
+    restarted = driver_events(job, "driver_restarted")
+    assert len(restarted) == 1 and restarted[0]["adopted"] == 2
+    assert not (job.dir / "state" / "state.json").exists(), "the ended job left a state to adopt"
+    for pid in pids:  # no stray process
+        wait_for(lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                 10, f"worker {pid} to be gone")

@@ -62,6 +62,12 @@ def test_the_driver_accepts_agents_on_the_services_port_with_the_mounted_secret(
     config = config_from_args(parse_args(given, {}))
     assert config.agents is not None and config.hosts is None and (config.np, config.min_np, config.max_np) == (4, 2, 8)
     assert config.driver_address == "127.0.0.1" and config.port == 29400
+    # --state-dir on the volume the agents' pods mount at the same path: their workers read
+    # the restarted driver's address from its driver-url file there (a new pod, a new IP).
+    assert config.state_dir is not None and str(config.state_dir).startswith("/snapshots/")
+    agents = container(found[("Deployment", "elastic-agents")])
+    assert {"name": "snapshots", "mountPath": "/snapshots"} in [
+        {k: m[k] for k in ("name", "mountPath")} for m in agents["volumeMounts"]]
 
 
 def test_the_agents_are_pods_of_a_deployment_sized_as_the_job_that_leave_gracefully(tmp_path) -> None:

@@ -66,7 +66,6 @@ def test_a_missing_driver_option_is_argparses_one_line(capsys):
 @pytest.mark.parametrize("extra, expected", [
     ([], "--agents: needs --port (the one port the agents connect to, e.g. --port 29400)"),
     (["--port", "29400"], "--agents: needs --driver-address or --network-interface"),
-    (["--port", "29400", "--driver-address", "127.0.0.1", "--state-dir", "sd"], "--agents: not supported with --state-dir yet"),
 ])
 def test_launch_agents_needs_a_place_to_be_reached_at(extra, expected, secret_file, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -96,3 +95,13 @@ def test_launch_agents_takes_preload(secret_file, tmp_path, monkeypatch):
                                           "--port", "29400", "--driver-address", "127.0.0.1", "--preload", "torch",
                                           "python", "train.py"], {}))
     assert config.agents is not None and config.preload == ("torch",)
+
+
+def test_launch_agents_with_a_state_dir_is_accepted(secret_file, tmp_path, monkeypatch):
+    """A driver restarted with --state-dir adopts the workers its agents kept (issue 36)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    config = config_from_args(parse_args(["launch", "--agents", "--secret-file", str(secret_file), "-np", "2",
+                                          "--port", "29400", "--driver-address", "127.0.0.1", "--state-dir", "sd",
+                                          "train.py"], {}))
+    assert config.agents is not None and config.state_dir is not None

@@ -42,3 +42,22 @@ def test_a_gap_at_a_workers_end_is_said_before_its_exit(monkeypatch):
                                                 "the driver]\n"), (p.AgentEventKind.EXITED, "")]
     events.acknowledged(3)
     assert events.batch(0) == () and not events._output_held and not events._gaps and not events._mid_line
+
+
+def test_a_restart_for_a_new_driver_numbers_the_adopted_workers_events_afresh_and_drops_the_rest():
+    events = workers.Events()
+    events.add(p.AgentEventKind.STARTED, "w1", pid=11)
+    events.add(OUTPUT, "w2", output="gone\n")
+    events.add(OUTPUT, "w1", output="while no driver ran\n")
+    events.add(p.AgentEventKind.EXITED, "w1", status=0)
+    old = events.generation
+    events.restart({"w1"})
+    assert [(e.number, e.kind, e.worker_id) for e in events.batch(0)] == [
+        (1, p.AgentEventKind.STARTED, "w1"), (2, OUTPUT, "w1"), (3, p.AgentEventKind.EXITED, "w1")]
+    events.acknowledged(3, old)  # the previous driver's reporter, late: not this numbering's
+    assert len(events.batch(0)) == 3
+    events.acknowledged(2, events.generation)
+    events.add(OUTPUT, "w1", output="next\n")
+    assert [(e.number, e.output) for e in events.batch(0)] == [(3, ""), (4, "next\n")]
+    events.restart(set())  # a join afresh: nothing of before
+    assert events.batch(0) == ()

@@ -199,3 +199,75 @@ def test_an_agent_that_loses_its_driver_kills_its_workers_and_ends_its_fork_serv
         thread.join(10)
         server.close()
     assert code == [0]
+
+
+def _record(worker_id: str, local_rank: int, pid: int):
+    from lightning_elastic.launcher.job.slots import SlotKey  # noqa: PLC0415
+    from lightning_elastic.launcher.job.state import WorkerRecord  # noqa: PLC0415
+
+    return WorkerRecord(worker_id, SlotKey("agent-host", local_rank), 0.0, keeper_pid=pid, via_agent=True)
+
+
+def test_with_a_patience_an_agent_keeps_its_workers_for_the_restarted_driver_which_adopts_the_saved_ones():
+    """--state-dir: the driver killed, a new one on the same port whose saved state has
+    "kept" (its pid) and not "unsaved": the agent joins it listing both; "kept" is adopted,
+    the same process, its output and signals through the new driver; "unsaved" is killed."""
+    first = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25, patience=30.0)
+    server = RendezvousServer(Registry(), SECRET, agents=first)
+    server.start()
+    port = server.port
+    agent = Agent(AgentSettings("127.0.0.1", port, 2, "agent-host", SECRET, leave_timeout=5.0))
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
+    thread.start()
+    second = AgentBoard(max_slots=4, heartbeat_timeout=5.0, poll_seconds=0.25, patience=30.0)
+    restarted = RendezvousServer(Registry(), SECRET, agents=second, port=port)
+    try:
+        wait_for(lambda: first.serves("agent-host"), 10, "the agent to join the first driver")
+        old = AgentLauncher(first, None, OutputSink(io.StringIO()))
+        looping = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+                   "for i in range(600):\n    print('tick', i, flush=True); time.sleep(0.1)")
+        kept = old.start(spec("kept", looping), lambda: "")
+        unsaved = old.start(spec("unsaved", "import time; time.sleep(60)"), lambda: "")
+        kept_pid = wait_for(lambda: kept.pid, 20, "the kept worker to start")
+        unsaved_pid = wait_for(lambda: unsaved.pid, 20, "the unsaved worker to start")
+        server.close()  # the driver SIGKILLed: its connections gone
+        # (The restarted driver comes when it comes: before or after the agent's heartbeat
+        # timeout, the agent keeps its workers for it.)
+        out = io.StringIO()
+        new = AgentLauncher(second, None, OutputSink(out))
+        adopted = new.adopt(_record("kept", 0, kept_pid), lambda: "[kept] ")
+        restarted.start()
+        wait_for(lambda: second.serves("agent-host") and adopted.pid == kept_pid and "[kept] tick" in out.getvalue(),
+                 20, "the agent to join the restarted driver and its worker's output to come")
+        assert _alive(kept_pid) and adopted.poll() is None
+        assert wait_for(lambda: not _alive(unsaved_pid), 10, "the unsaved worker to be stopped")
+        adopted.signal(signal.SIGTERM)
+        assert wait_for(lambda: adopted.poll() is not None, 20, "the adopted worker's exit") and adopted.poll() == 7
+    finally:
+        agent.request_leave()
+        second.close()
+        thread.join(10)
+        restarted.close()
+    assert code == [0]
+
+
+def test_an_agent_stops_the_workers_it_kept_once_its_patience_has_passed_with_no_driver():
+    first = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25, patience=2.0)
+    server = RendezvousServer(Registry(), SECRET, agents=first)
+    server.start()
+    agent = Agent(AgentSettings("127.0.0.1", server.port, 1, "agent-host", SECRET, leave_timeout=5.0))
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: first.serves("agent-host"), 10, "the agent to join")
+        proc = AgentLauncher(first, None, OutputSink(io.StringIO())).start(
+            spec("w", "import time; time.sleep(60)"), lambda: "")
+        pid = wait_for(lambda: proc.pid, 20, "the worker to start")
+        server.close()
+        assert wait_for(lambda: not _alive(pid), 20, "the kept worker to be stopped after the patience")
+    finally:
+        agent.request_leave()
+        thread.join(10)
+    assert code == [0]

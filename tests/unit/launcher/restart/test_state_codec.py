@@ -39,7 +39,7 @@ def populated(t: float) -> JobState:
         reported_at=t + 4.0, leave=True, departing="a preemption notice", stop_deadline=t + 5.0,
         kill_reason="wedged", failure="worker a[1]#4 was killed", standby=True, joined=True, exit_status=-9,
         snapshots=(3, 1, "disk full"), keeper_pid=4242, start_ticks=987654, log_file="/logs/worker-4.log",
-        wake=object())
+        via_agent=True, wake=object())
     done = WorkerRecord("a[0]#3", A0, t + 6.0, state=WorkerState.DONE, exit_status=0)
     state = JobState(
         address="10.0.0.1", port=29400,
@@ -118,7 +118,7 @@ def test_the_test_state_sets_every_persisted_field():
     assert set(defaults_left(populated(0.0))) == {  # but the finished worker's: a second, plain one
         f"state.workers['a[0]#3'].{name}" for name in
         ("assignment", "last_heartbeat", "report", "reported_at", "leave", "departing", "stop_deadline",
-         "kill_reason", "failure", "standby", "joined", "snapshots", "keeper_pid", "start_ticks", "log_file")}
+         "kill_reason", "failure", "standby", "joined", "snapshots", "keeper_pid", "start_ticks", "log_file", "via_agent")}
 
 
 def test_a_job_state_round_trips_whole_its_clock_times_moved_to_the_new_drivers_clock():
