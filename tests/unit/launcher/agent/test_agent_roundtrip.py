@@ -35,16 +35,23 @@ def wait_for(predicate, timeout: float, what: str):
     return value
 
 
-@pytest.fixture
-def wired() -> Iterator[tuple[AgentBoard, AgentLauncher, io.StringIO, Agent, list[int]]]:
-    board = AgentBoard(max_slots=4, heartbeat_timeout=5.0, poll_seconds=0.5)
+def start_agent(board: AgentBoard, slots: int) -> tuple[RendezvousServer, Agent, threading.Thread, list[int]]:
+    """A service for ``board`` and an agent of ``slots`` on "agent-host" running against it, in
+    a thread whose exit code lands in the returned list; the caller ends both."""
     server = RendezvousServer(Registry(), SECRET, agents=board)
     server.start()
-    out = io.StringIO()
-    agent = Agent(AgentSettings("127.0.0.1", server.port, 2, "agent-host", SECRET, leave_timeout=5.0))
+    agent = Agent(AgentSettings("127.0.0.1", server.port, slots, "agent-host", SECRET, leave_timeout=5.0))
     code: list[int] = []
     thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
     thread.start()
+    return server, agent, thread, code
+
+
+@pytest.fixture
+def wired() -> Iterator[tuple[AgentBoard, AgentLauncher, io.StringIO, Agent, list[int]]]:
+    board = AgentBoard(max_slots=4, heartbeat_timeout=5.0, poll_seconds=0.5)
+    server, agent, thread, code = start_agent(board, 2)
+    out = io.StringIO()
     try:
         wait_for(lambda: board.serves("agent-host"), 10, "the agent to join")
         yield board, AgentLauncher(board, None, OutputSink(out)), out, agent, code
@@ -95,13 +102,8 @@ def test_an_agent_that_loses_its_driver_stops_its_workers_and_joins_the_next_one
     # The driver's pod restarted: the old service is gone, a new one serves on the same
     # port (the same Service) with the same secret.
     first = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
-    server = RendezvousServer(Registry(), SECRET, agents=first)
-    server.start()
+    server, agent, thread, code = start_agent(first, 1)
     port = server.port
-    agent = Agent(AgentSettings("127.0.0.1", port, 1, "agent-host", SECRET, leave_timeout=5.0))
-    code: list[int] = []
-    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
-    thread.start()
     second = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
     restarted = RendezvousServer(Registry(), SECRET, agents=second, port=port)
     try:
@@ -172,12 +174,7 @@ def test_an_agent_that_loses_its_driver_kills_its_workers_and_ends_its_fork_serv
     from lightning_elastic.protocol import ENV_SECRET_FD
 
     board = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25)
-    server = RendezvousServer(Registry(), SECRET, agents=board)
-    server.start()
-    agent = Agent(AgentSettings("127.0.0.1", server.port, 1, "agent-host", SECRET, leave_timeout=5.0))
-    code: list[int] = []
-    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
-    thread.start()
+    server, agent, thread, code = start_agent(board, 1)
     try:
         wait_for(lambda: board.serves("agent-host"), 10, "the agent to join")
         warm = WarmStarts(AgentLauncher(board, None, OutputSink(io.StringIO())), ("json",), lambda host: False,
@@ -213,13 +210,8 @@ def test_with_a_patience_an_agent_keeps_its_workers_for_the_restarted_driver_whi
     "kept" (its pid) and not "unsaved": the agent joins it listing both; "kept" is adopted,
     the same process, its output and signals through the new driver; "unsaved" is killed."""
     first = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25, patience=30.0)
-    server = RendezvousServer(Registry(), SECRET, agents=first)
-    server.start()
+    server, agent, thread, code = start_agent(first, 2)
     port = server.port
-    agent = Agent(AgentSettings("127.0.0.1", port, 2, "agent-host", SECRET, leave_timeout=5.0))
-    code: list[int] = []
-    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
-    thread.start()
     second = AgentBoard(max_slots=4, heartbeat_timeout=5.0, poll_seconds=0.25, patience=30.0)
     restarted = RendezvousServer(Registry(), SECRET, agents=second, port=port)
     try:
@@ -254,12 +246,7 @@ def test_with_a_patience_an_agent_keeps_its_workers_for_the_restarted_driver_whi
 
 def test_an_agent_stops_the_workers_it_kept_once_its_patience_has_passed_with_no_driver():
     first = AgentBoard(max_slots=4, heartbeat_timeout=1.0, poll_seconds=0.25, patience=2.0)
-    server = RendezvousServer(Registry(), SECRET, agents=first)
-    server.start()
-    agent = Agent(AgentSettings("127.0.0.1", server.port, 1, "agent-host", SECRET, leave_timeout=5.0))
-    code: list[int] = []
-    thread = threading.Thread(target=lambda: code.append(agent.run()), daemon=True)
-    thread.start()
+    server, agent, thread, code = start_agent(first, 1)
     try:
         wait_for(lambda: first.serves("agent-host"), 10, "the agent to join")
         proc = AgentLauncher(first, None, OutputSink(io.StringIO())).start(
